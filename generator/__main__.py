@@ -1,0 +1,99 @@
+"""python -m generator explain|check|emit ...
+
+explain SPEC...     print each reduction's classification and the derived fused, online and merge forms
+check [DIR|SPEC...] analyse every spec (default: specs/) and self-check its forms numerically; exit 1 on failure
+emit --out DIR      generate the sources of every spec for the build (see generator/codegen)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .errors import FusionError, SpecError
+from .explain import explain
+from .spec import load_spec, spec_files
+from .symbolic.evaluate import self_check
+from .symbolic.forms import analyze
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _paths(items: list[str]) -> list[Path]:
+    if not items:
+        return spec_files(ROOT / "specs")
+    out: list[Path] = []
+    for item in items:
+        p = Path(item)
+        out += spec_files(p) if p.is_dir() else [p]
+    return out
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    status = 0
+    for path in _paths(args.specs):
+        try:
+            sys.stdout.write(explain(analyze(load_spec(path))) + "\n")
+        except (SpecError, FusionError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            status = 1
+    return status
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    status = 0
+    for path in _paths(args.specs):
+        try:
+            op = analyze(load_spec(path))
+        except (SpecError, FusionError) as exc:
+            print(f"FAIL {path}: {exc}")
+            status = 1
+            continue
+        problems = []
+        for case in op.cases:
+            problems += [f"[{case.ir.label}] {p}" for p in self_check(case, seed=args.seed, trials=args.trials)]
+        if problems:
+            status = 1
+            print(f"FAIL {path}:")
+            for p in problems:
+                print(f"  {p}")
+        else:
+            passes = max(len(c.passes) for c in op.cases)
+            print(f"ok   {path}: {op.spec.name}, {len(op.cases)} specialisation(s), up to {passes} pass(es)")
+    return status
+
+
+def cmd_emit(args: argparse.Namespace) -> int:
+    from .codegen.emit import (
+        emit,  # build-time code generation; imports tilelang lazily
+    )
+
+    return emit(out=Path(args.out), families=[f for f in args.archs.replace(",", ";").split(";") if f],
+                specs=_paths(args.specs), jobs=args.jobs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m generator", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("explain", help="print the derivation of specs")
+    p.add_argument("specs", nargs="*")
+    p.set_defaults(fn=cmd_explain)
+    p = sub.add_parser("check", help="analyse and numerically self-check specs")
+    p.add_argument("specs", nargs="*")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trials", type=int, default=3)
+    p.set_defaults(fn=cmd_check)
+    p = sub.add_parser("emit", help="generate sources for the build")
+    p.add_argument("--out", required=True)
+    p.add_argument("--archs", default="sm80;sm90a;sm100a", help="arch families, ';'-separated ('' = CPU only)")
+    p.add_argument("--jobs", type=int, default=0, help="parallel lowering processes (0 = number of CPUs)")
+    p.add_argument("specs", nargs="*")
+    p.set_defaults(fn=cmd_emit)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

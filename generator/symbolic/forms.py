@@ -1,0 +1,579 @@
+"""Derive the fused, online and merge forms of a cascade, or say precisely why a reduction does not fuse.
+
+Nothing here knows any particular op: the forms come from the three conditions in algebra.py applied to each
+reduction's body. For a reduction y = (+)_l F(x_l, D) that decomposes as F = G (x) H:
+- fused form: y = ((+)_l G(x_l)) (x) H(D) with the final D: one pass suffices;
+- online form: state y with the running D; per chunk, with D_old -> D_new (deps updated first, in order),
+  y_new = (y_old (x) c(D_old -> D_new)) (+) ((+)_{l in chunk} F(x_l, D_new)), c = H(D_old)^-1 (x) H(D_new);
+- merge form: segments p with states (D_p, y_p): D = merge of the D_p, y = (+)_p y_p (x) c(D_p -> D).
+Where H is zero or infinite at a value a state can take (an empty prefix), the state is replaced by a safe value
+in H (a guard); outputs that are undefined for an empty row take the spec's `empty` value.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy as sp
+
+from ..errors import FusionError, Loc, SpecError
+from ..spec import OpSpec
+from .algebra import (
+    MONOIDS,
+    Decomposition,
+    GuardPoint,
+    Refusal,
+    decompose,
+    degenerate_points,
+    distributes,
+    state_candidates,
+)
+from .expr import has_casts, is_bool, strip_casts
+from .ir import CascadeIR, Reduction, build_ir, specializations
+
+
+# --------------------------------------------------------------------------------------------- results
+@dataclass(frozen=True)
+class Condition:
+    name: str  # decomposable | distributive | invertible | order
+    holds: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class Guard:
+    """state_safe = safe if state == point (for each point) else state; used wherever H(state) is evaluated."""
+
+    state: str
+    points: tuple[tuple[sp.Expr, sp.Expr], ...]  # (point, safe value)
+    reason: str
+
+    def apply(self, value: sp.Expr) -> sp.Expr:
+        pieces = [(safe, sp.Eq(value, point)) for point, safe in self.points]
+        return sp.Piecewise(*pieces, (value, True))
+
+
+@dataclass(frozen=True)
+class Payload:
+    name: str
+    expr: sp.Expr  # F_p(x, D)
+    term: sp.Expr  # with the new (guarded) states
+    kind: str  # "*", "+" or "none"
+    correction: sp.Expr  # in old/new (guarded) symbols
+
+
+@dataclass(frozen=True)
+class ReductionForm:
+    name: str
+    op: str
+    stage: str  # "stream" (over the cascade axis, online) | "epilogue" (over a resident axis after a pass)
+    pass_no: int  # pass over the cascade axis (stream) or the pass after which it runs (epilogue)
+    body: sp.Expr  # F(x, D) as written (casts kept), D = current states
+    where: Any
+    k: sp.Expr | None
+    free: tuple[str, ...]
+    online_deps: tuple[str, ...]  # states of the same pass that it is corrected for
+    final_deps: tuple[str, ...]  # results of earlier passes (constants here)
+    kind: str  # "*", "+" or "none"
+    correction: sp.Expr  # c(D_old -> D_new) in guarded old/new symbols (1 / 0 when kind == "none")
+    term: sp.Expr  # F(x, D_new) in guarded new symbols: the per-element contribution of a chunk
+    G: sp.Expr
+    H: sp.Expr
+    payloads: tuple[Payload, ...]
+    conditions: tuple[Condition, ...]
+    loc: Loc
+
+    @property
+    def neutral(self) -> sp.Expr:
+        return MONOIDS[self.op].neutral
+
+    @property
+    def selection(self) -> bool:
+        return MONOIDS[self.op].selection
+
+
+@dataclass(frozen=True)
+class PassInfo:
+    number: int
+    reductions: tuple[str, ...]  # streamed in this pass
+    epilogues: tuple[str, ...]  # computed on resident data after this pass
+    reason: str  # why this pass exists (pass 1: "first pass")
+
+
+@dataclass(frozen=True)
+class OutputForm:
+    name: str
+    value: sp.Expr  # over final states and row constants, guarded for empty rows where needed
+    raw: sp.Expr
+    empty_condition: Any  # sympy boolean or None
+    index: tuple[str, ...]
+    per_element: bool  # reads element values: needs one more read of the row after the last pass
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """Everything derived for one specialisation of one op."""
+
+    ir: CascadeIR
+    reductions: tuple[ReductionForm, ...]
+    passes: tuple[PassInfo, ...]
+    guards: tuple[Guard, ...]
+    outputs: tuple[OutputForm, ...]
+    mask_value: dict[sp.Basic, sp.Expr]  # element atom -> a value that makes every streamed term neutral
+    approximations: tuple[str, ...]
+    symbols: dict[str, dict[str, sp.Symbol]] = field(default_factory=dict)  # state -> role -> symbol
+
+    def form(self, name: str) -> ReductionForm:
+        for r in self.reductions:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    def guard(self, state: str) -> Guard | None:
+        for g in self.guards:
+            if g.state == state:
+                return g
+        return None
+
+    def sym(self, state: str, role: str) -> sp.Symbol:
+        """Symbol of a state in a role: cur, old, new, old_safe, new_safe."""
+        return self.symbols[state][role]
+
+
+@dataclass(frozen=True)
+class OpAnalysis:
+    spec: OpSpec
+    cases: tuple[Analysis, ...]
+
+    def case(self, **special: Any) -> Analysis:
+        for a in self.cases:
+            d = dict(a.ir.specialization)
+            if all(d.get(k) == v for k, v in special.items()):
+                return a
+        raise KeyError(special)
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def state_symbols(name: str, sym: sp.Symbol, regular: dict[str, bool]) -> dict[str, sp.Symbol]:
+    """The symbols of one state: its value (any), and old/new/safe/segment values (regular assumptions)."""
+    assumptions = dict(regular)
+    return {
+        "cur": sym,
+        "old": sp.Symbol(f"{name}_old", **assumptions),
+        "new": sp.Symbol(f"{name}_new", **assumptions),
+        "old_safe": sp.Symbol(f"{name}_old_safe", **assumptions),
+        "new_safe": sp.Symbol(f"{name}_new_safe", **assumptions),
+        "seg": sp.Symbol(f"{name}_p", **assumptions),
+        "safe": sp.Symbol(f"{name}_safe", **assumptions),
+    }
+
+
+def element_atoms(ir: CascadeIR, expr: sp.Basic, outermost: bool = False) -> list[sp.Basic]:
+    """Sub-expressions of expr that vary along the cascade axis: element lets, reads indexed by it, the index.
+    outermost: drop atoms that occur only inside other atoms (the index inside x[t, e])."""
+    over = ir.indices[ir.over]
+    out: list[sp.Basic] = []
+    element_syms = {x.symbol for x in ir.element_lets}
+    for s in expr.free_symbols:
+        if s in element_syms or s == over:
+            out.append(s)
+    for ix in expr.atoms(sp.Indexed):
+        if over in ix.free_symbols or any(a in element_syms for a in ix.indices):
+            out.append(ix)
+    atoms = sorted(set(out), key=str)
+    if outermost:
+        rest = expr
+        for a in atoms:
+            if isinstance(a, sp.Indexed):
+                rest = rest.xreplace({a: sp.Dummy()})
+        atoms = [a for a in atoms if isinstance(a, sp.Indexed) or rest.has(a)]
+    return atoms
+
+
+def _value_at(expr: sp.Expr, sub: dict) -> sp.Expr:
+    """expr with sub applied and simplified; nan where sympy cannot evaluate it (e.g. max(nan, ...))."""
+    try:
+        return sp.simplify(expr.xreplace(sub))
+    except (ValueError, TypeError, ZeroDivisionError):
+        return sp.nan
+
+
+def _final_value(expr: sp.Expr) -> float:
+    f = sp.lambdify([], expr, modules=["math"])
+    try:
+        with _np_quiet():
+            return float(f())
+    except (ValueError, ZeroDivisionError, OverflowError):
+        return math.nan
+
+
+class _np_quiet:
+    def __enter__(self) -> None:
+        import numpy as np
+
+        self._old = np.seterr(all="ignore")
+
+    def __exit__(self, *exc: object) -> None:
+        import numpy as np
+
+        np.seterr(**self._old)
+
+
+def _numeric_at(expr: sp.Expr, values: dict[sp.Symbol, float]) -> float:
+    import numpy as np
+
+    syms = sorted(expr.free_symbols, key=str)
+    f = sp.lambdify(syms, expr, modules=["numpy"])
+    with _np_quiet():
+        try:
+            return float(np.asarray(f(*[np.float64(values.get(s, 0.37)) for s in syms])))
+        except (ValueError, ZeroDivisionError, OverflowError, TypeError):
+            return math.nan
+
+
+# --------------------------------------------------------------------------------------------- the analysis
+class _Analyzer:
+    def __init__(self, ir: CascadeIR):
+        self.ir = ir
+        self.syms = {n: state_symbols(n, s, ir.regular[n]) for n, s in ir.states.items()}
+        self.pass_of: dict[str, int] = {}
+        self.ready: dict[str, int] = {}  # first pass in which a result is a constant
+        self.stage: dict[str, str] = {}
+        self.forms: list[ReductionForm] = []
+        self.guard_points: dict[str, list[GuardPoint]] = {}
+        self.pass_reasons: dict[int, str] = {1: "first pass over the row"}
+        self.approximations: set[str] = set()
+        self.rng = random.Random(1234)
+
+    def fail(self, r: Reduction, condition: str, detail: str) -> FusionError:
+        return FusionError(r.loc, r.name, condition, detail)
+
+    def run(self) -> Analysis:
+        for r in self.ir.reductions:
+            if r.over != self.ir.over:
+                self._epilogue(r)
+            else:
+                self._stream(r)
+        guards = tuple(
+            Guard(name, tuple((p.point, p.safe) for p in pts), "; ".join(p.why for p in pts))
+            for name, pts in self.guard_points.items()
+            if pts
+        )
+        forms = tuple(self._guarded(f, guards) for f in self.forms)
+        passes = self._passes(forms)
+        outputs = tuple(self._output(o) for o in self.ir.outputs)
+        return Analysis(
+            ir=self.ir,
+            reductions=forms,
+            passes=passes,
+            guards=guards,
+            outputs=outputs,
+            mask_value=self._mask_value(forms, guards),
+            approximations=tuple(sorted(self.approximations)),
+            symbols=self.syms,
+        )
+
+    # ------------------------------------------------------------------ epilogue reductions
+    def _epilogue(self, r: Reduction) -> None:
+        after = 1
+        for d in r.deps:
+            after = max(after, self.ready[d] - 1)
+        self.pass_of[r.name] = after
+        self.ready[r.name] = after + 1
+        self.stage[r.name] = "epilogue"
+        self.forms.append(
+            ReductionForm(
+                name=r.name, op=r.op, stage="epilogue", pass_no=after, body=r.body, where=r.where, k=r.k,
+                free=r.free, online_deps=(), final_deps=r.deps, kind="none", correction=sp.Integer(1),
+                term=r.body, G=r.body, H=sp.Integer(1),
+                payloads=tuple(Payload(n, e, e, "none", sp.Integer(1)) for n, e in r.carry),
+                conditions=(Condition("resident", True, f"reduces over '{r.over}' after pass {after}, "
+                                      "when everything it reads is final"),),
+                loc=r.loc,
+            )
+        )
+
+    # ------------------------------------------------------------------ streamed reductions
+    def _stream(self, r: Reduction) -> None:
+        scalar_deps = [d for d in r.deps if d in self.ir.states and self.stage.get(d) == "stream"]
+        must_final = [d for d in r.deps if d not in scalar_deps]
+        base = max([self.ready[d] for d in must_final] + [self.pass_of[d] for d in scalar_deps] + [1])
+        same = [d for d in scalar_deps if self.pass_of[d] == base]
+        result = self._classify_safely(r, same)
+        if isinstance(result, Refusal):
+            if base + 1 > self.ir.passes:
+                raise self.fail(r, result.condition, result.detail)
+            why = f"'{r.name}' needs {', '.join(same)} final: {result.condition} fails ({result.detail})"
+            self.pass_reasons.setdefault(base + 1, why)
+            base += 1
+            same = []
+            result = self._classify_safely(r, [])
+            if isinstance(result, Refusal):  # with no online deps everything is constant
+                raise self.fail(r, result.condition, result.detail)
+        elif base > 1 and base not in self.pass_reasons:
+            waits = [d for d in must_final if self.ready[d] == base]
+            self.pass_reasons[base] = f"'{r.name}' reads {', '.join(waits)}, final only after pass {base - 1}"
+        if base > self.ir.passes:
+            raise self.fail(
+                r, "passes",
+                f"needs pass {base} but the spec allows {self.ir.passes} (cascade.passes); it reads "
+                f"{', '.join(must_final)}, final only after pass {base - 1}",
+            )
+        self.pass_of[r.name] = base
+        self.ready[r.name] = base + 1
+        self.stage[r.name] = "stream"
+        self.forms.append(result)
+
+    def _classify_safely(self, r: Reduction, online: list[str]) -> ReductionForm | Refusal:
+        """Classify; where sympy cannot decide a question (it raises), refuse rather than guess."""
+        try:
+            return self._classify(r, online)
+        except (ValueError, TypeError, ZeroDivisionError, NotImplementedError, RecursionError, AttributeError) as exc:
+            return Refusal("analysis", f"sympy could not decide a condition for body {r.body}: {exc}")
+
+    def _classify(self, r: Reduction, online: list[str]) -> ReductionForm | Refusal:
+        conditions: list[Condition] = []
+        casts = has_casts(r.body) + [c for _, e in r.carry for c in has_casts(e)]
+        for c in casts:
+            self.approximations.add(f"{c} conversion treated as value-preserving in the proof (exact up to rounding)")
+        deps = [self.ir.states[d] for d in online]
+        old = {self.ir.states[d]: self.syms[d]["old"] for d in online}
+        new = {self.ir.states[d]: self.syms[d]["new"] for d in online}
+        if MONOIDS[r.op].selection and any(r.body.has(self.ir.states[d]) for d in online):
+            # mathematically a strictly increasing correction keeps the order, but a corrected key is rounded:
+            # two equal keys, one corrected and one fresh, would be ordered by rounding, not by index
+            return Refusal("exact order", f"the key {r.body} of a selection would be corrected as "
+                           f"{', '.join(online)} change, and rounding would decide between equal keys")
+        where_deps = [d for d in online if isinstance(r.where, sp.Basic) and r.where.has(self.ir.states[d])]
+        if where_deps:
+            return Refusal("decomposable", f"the predicate {r.where} depends on {', '.join(where_deps)} of the same pass")
+        atoms = element_atoms(self.ir, r.body)
+        dec = decompose(r.body, atoms, deps, old, new, self.rng)
+        if isinstance(dec, Refusal):
+            return Refusal(dec.condition, f"body {r.body}: {dec.detail}")
+        if dec.kind == "none":
+            conditions.append(Condition("decomposable", True, "F does not depend on any state of this pass"))
+        else:
+            conditions.append(
+                Condition("decomposable", True, f"F(x, D) = G(x) {dec.kind} H(D) with G = {dec.G}, H = {dec.H}")
+            )
+            dist = distributes(r.op, dec.kind, dec.correction)
+            conditions.append(Condition("distributive", dist.holds, dist.detail))
+            if not dist.holds:
+                return Refusal("distributive", f"body {r.body}: {dist.detail}")
+        payloads = []
+        for pname, pexpr in r.carry:
+            pdec = decompose(pexpr, element_atoms(self.ir, pexpr), deps, old, new, self.rng)
+            if isinstance(pdec, Refusal):
+                return Refusal("decomposable", f"payload {pname} = {pexpr}: {pdec.detail}")
+            payloads.append((pname, pexpr, pdec))
+        inv = self._invertible(r, online, [dec] + [p[2] for p in payloads])
+        if isinstance(inv, Refusal):
+            return inv
+        conditions.append(inv)
+        return ReductionForm(
+            name=r.name, op=r.op, stage="stream", pass_no=0, body=r.body, where=r.where, k=r.k, free=r.free,
+            online_deps=tuple(online), final_deps=tuple(d for d in r.deps if d not in online),
+            kind=dec.kind, correction=dec.correction, term=r.body.xreplace(new), G=dec.G, H=dec.H,
+            payloads=tuple(Payload(n, e, e.xreplace(new), pd.kind, pd.correction) for n, e, pd in payloads),
+            conditions=tuple(conditions), loc=r.loc,
+        )
+
+    def _invertible(self, r: Reduction, online: list[str], decs: list[Decomposition]) -> Condition | Refusal:
+        details = []
+        for d in online:
+            sym = self.ir.states[d]
+            dep_red = self.ir.reduction(d)
+            cands = state_candidates(dep_red.op, dep_red.body)
+            for dec in decs:
+                if dec.kind == "none" or not dec.H.has(sym):
+                    continue
+                try:
+                    pts = degenerate_points(dec.H, sym, cands)
+                except ValueError as exc:
+                    return Refusal("invertible", str(exc))
+                known = self.guard_points.setdefault(d, [])
+                for p in pts:
+                    unsound = self._reached_only_empty(r, d, p.point)
+                    if unsound:
+                        return Refusal("invertible", f"H = {dec.H} is not finite/non-zero at {d} = {p.point}, "
+                                       f"and {unsound}")
+                    if all(p.point != q.point for q in known):
+                        known.append(p)
+                    details.append(f"H is not finite/non-zero at {d} = {p.point}: guarded with {d} -> {p.safe}")
+        if not details:
+            return Condition("invertible", True, "H is finite and non-zero wherever its states can be")
+        return Condition("invertible", True, "; ".join(sorted(set(details))))
+
+    def _reached_only_empty(self, r: Reduction, d: str, point: sp.Expr) -> str | None:
+        """A guard replaces state d at `point` by a safe value. That is sound when d reaches `point` only on a
+        prefix whose elements all contribute the neutral element to r. None when proved; else why not."""
+        ir = self.ir
+        dep = ir.reduction(d)
+        regular = {ir.states[x]: self.syms[x]["new"] for x in dep.deps if x in ir.states}
+        b = strip_casts(dep.body).xreplace(regular)
+        if dep.op == "sum" and point == 0 and b.is_positive:
+            return None  # a sum of positive terms is 0 only when no element counted
+        if dep.op == "sum" and not (point == 0 and b.is_nonnegative):
+            return f"{d} (a sum of terms of any sign) can reach {point} on a non-empty prefix"
+        atoms = element_atoms(ir, b, outermost=True)
+        if len(atoms) != 1:
+            return f"cannot tell which elements make {d} = {point} (its body reads {len(atoms)} element values)"
+        a = atoms[0]
+        target = sp.Integer(0) if dep.op == "sum" else point
+        if point.is_infinite:
+            sols = [c for c in (point, -point) if _value_at(b, {a: c}) == target]
+        else:
+            try:
+                sols = sp.solve(sp.Eq(b.xreplace({a: sp.Dummy("a", real=True)}), target), dict=False)
+            except (NotImplementedError, TypeError):
+                return f"cannot solve {b} = {target}"
+        if not sols:
+            return f"cannot find the elements that make {d} = {point}"
+        if MONOIDS[r.op].selection:
+            return None  # candidates keep their order under any regular substitute; no neutral value needed
+        new = {ir.states[x]: self.syms[x]["new"] for x in r.deps if x in ir.states}
+        term = strip_casts(r.body).xreplace(new)
+        for s in sols:
+            try:
+                v = term.xreplace({a: s})
+                generic = {x: sp.Rational(37, 100) for x in v.free_symbols}
+                generic.update({ix: sp.Rational(41, 100) for ix in v.atoms(sp.Indexed)})
+                for x in r.deps:
+                    if x in ir.states:
+                        new_x = self.syms[x]["new"]
+                        generic[new_x] = sp.Integer(1) if new_x.is_positive else sp.Integer(0)
+                value = sp.simplify(v.xreplace(generic))
+            except (ValueError, TypeError, ZeroDivisionError):
+                return f"cannot evaluate what an element with {a} = {s} contributes to '{r.name}'"
+            if value != MONOIDS[r.op].neutral:
+                return f"an element with {a} = {s} makes {d} = {point} but contributes {v} to '{r.name}', not neutral"
+        return None
+
+    # ------------------------------------------------------------------ guards, passes, outputs
+    def _guarded(self, f: ReductionForm, guards: tuple[Guard, ...]) -> ReductionForm:
+        """Move the online term and correction onto the guarded (safe) symbols of the states that need guards."""
+        if f.stage != "stream":
+            return f
+        guarded = {g.state for g in guards}
+        sub_new = {self.syms[d]["new"]: self.syms[d]["new_safe"] for d in f.online_deps if d in guarded}
+        sub_old = {self.syms[d]["old"]: self.syms[d]["old_safe"] for d in f.online_deps if d in guarded}
+        both = {**sub_new, **sub_old}
+        # results of earlier passes are read through their guards too
+        sub_final = {self.ir.states[d]: self.syms[d]["safe"] for d in f.final_deps
+                     if d in guarded and d in self.ir.states}
+        sub_new = {**sub_new, **sub_final}
+        return ReductionForm(
+            **{
+                **f.__dict__,
+                "pass_no": self.pass_of[f.name],
+                "term": f.term.xreplace(sub_new),
+                "correction": f.correction.xreplace(both),
+                "payloads": tuple(
+                    Payload(p.name, p.expr, p.term.xreplace(sub_new), p.kind, p.correction.xreplace(both))
+                    for p in f.payloads
+                ),
+            }
+        )
+
+    def _passes(self, forms: tuple[ReductionForm, ...]) -> tuple[PassInfo, ...]:
+        n = max([f.pass_no for f in forms] + [1])
+        out = []
+        for p in range(1, n + 1):
+            out.append(
+                PassInfo(
+                    p,
+                    tuple(f.name for f in forms if f.stage == "stream" and f.pass_no == p),
+                    tuple(f.name for f in forms if f.stage == "epilogue" and f.pass_no == p),
+                    self.pass_reasons.get(p, f"results of pass {p - 1} are needed"),
+                )
+            )
+        return tuple(out)
+
+    def _output(self, o: Any) -> OutputForm:
+        ir = self.ir
+        value = o.value
+        per_element = bool(element_atoms(ir, value)) if isinstance(value, sp.Basic) else False
+        # an empty row (every element masked) leaves the streamed states at their neutral elements
+        scalar_states = [ir.states[n] for n in ir.states
+                         if value.has(ir.states[n]) and self.stage.get(n) == "stream"]
+        cond = None
+        guarded = value
+        if scalar_states:
+            at_empty = {s: float(MONOIDS[ir.reduction(s.name).op].neutral) for s in scalar_states}
+            probe = value.xreplace({a: sp.Rational(37, 100) for a in element_atoms(ir, value)})
+            v = _numeric_at(probe, at_empty)
+            _, den = sp.fraction(sp.together(probe))
+            divides_by_zero = bool(den.free_symbols & set(scalar_states)) and _numeric_at(den, at_empty) == 0
+            if math.isnan(v) or divides_by_zero:
+                if o.empty is None:
+                    raise SpecError(
+                        o.loc,
+                        f"output '{o.name}' = {value} is undefined for an empty row "
+                        f"({', '.join(f'{s} = {at_empty[s]}' for s in scalar_states)}): give 'empty:'",
+                    )
+                if den.free_symbols & set(scalar_states):
+                    cond = sp.Eq(den, 0)
+                else:
+                    cond = sp.And(*[sp.Eq(s, MONOIDS[ir.reduction(s.name).op].neutral) for s in scalar_states])
+                guarded = sp.Piecewise((o.empty, cond), (value, True))
+        return OutputForm(o.name, guarded, value, cond, o.index, per_element)
+
+    def _mask_value(self, forms: tuple[ReductionForm, ...], guards: tuple[Guard, ...]) -> dict[sp.Basic, sp.Expr]:
+        """An element value (of an atom every streamed term reads) that makes every streamed term neutral:
+        masked elements can take it, and elements that have it count as masked."""
+        out: dict[sp.Basic, sp.Expr] = {}
+        streamed = [f for f in forms if f.stage == "stream" and not f.selection]
+        if not streamed:
+            return out
+        common = set(element_atoms(self.ir, streamed[0].term))
+        for f in streamed[1:]:
+            common &= set(element_atoms(self.ir, f.term))
+        for atom in sorted(common, key=str):
+            if atom == self.ir.indices[self.ir.over]:
+                continue
+            for cand in (sp.S.NegativeInfinity, sp.Integer(0), sp.oo):
+                ok = True
+                for f in streamed:
+                    try:
+                        term = strip_casts(f.term).xreplace({atom: cand})
+                        generic = {s: sp.Rational(37, 100) for s in term.free_symbols}
+                        generic.update({ix: sp.Rational(41, 100) for ix in term.atoms(sp.Indexed)})
+                        v = sp.simplify(term.xreplace(generic))
+                    except (ValueError, TypeError, ZeroDivisionError):  # e.g. max(nan, ...) at -inf
+                        v = sp.nan
+                    if v != f.neutral:
+                        ok = False
+                        break
+                if ok:
+                    out[atom] = cand
+                    break
+        return out
+
+
+def analyze_ir(ir: CascadeIR) -> Analysis:
+    return _Analyzer(ir).run()
+
+
+def analyze(spec: OpSpec) -> OpAnalysis:
+    """Analyse every specialisation of an op; raises FusionError/SpecError with a precise reason otherwise."""
+    return OpAnalysis(spec, tuple(analyze_ir(build_ir(spec, s)) for s in specializations(spec)))
+
+
+__all__ = [
+    "Analysis",
+    "Condition",
+    "Guard",
+    "OpAnalysis",
+    "OutputForm",
+    "PassInfo",
+    "Payload",
+    "ReductionForm",
+    "analyze",
+    "analyze_ir",
+    "element_atoms",
+    "is_bool",
+]

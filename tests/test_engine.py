@@ -1,0 +1,231 @@
+"""The symbolic fusion engine: derived online and merge forms against the unfused cascade, guards, rejections.
+
+Every shipped spec and the extra cascades in tests/specs/ are run in float64: the online form chunk by chunk with
+random chunk sizes (1 included) and the merge form over random segment splits (empty segments included) must
+reproduce the direct evaluation of the unfused cascade to 1e-12, including rows that are fully masked, all zero
+or -inf, where the guards must give the exact defined values.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from generator.errors import FusionError, SpecError
+from generator.spec import load_spec, spec_files
+from generator.symbolic import derive
+from generator.symbolic.evaluate import (
+    compare,
+    evaluate_direct,
+    evaluate_merged,
+    evaluate_online,
+    random_problem,
+)
+from generator.symbolic.forms import analyze
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = spec_files(ROOT / "specs")
+EXTRA = spec_files(ROOT / "tests" / "specs")
+ALL = SHIPPED + EXTRA
+
+
+# how to make awkward rows per spec: (tensor, kind) with kind in "-inf row", "-inf some", "zero row"
+POISON = {
+    "logsumexp": [("x", "-inf row"), ("x", "-inf some")],
+    "softmax": [("x", "-inf row"), ("x", "-inf some")],
+    "softmax_topk_renorm": [("x", "-inf some")],
+    "cross_entropy": [("logits", "-inf some")],
+    "moe_route": [("logits", "-inf some"), ("logits", "-inf row")],
+    "sigmoid_topk_bias": [("logits", "-inf some")],
+    "absmax_quant_dot": [("x", "zero row")],
+    "fp8_quant_gemm": [("x", "zero row")],
+    "causal_attention": [("lens", "zero row")],
+    "mla_decode": [("cache_seqlens", "zero row")],
+}
+
+
+def poison(problem, name: str, rng: random.Random) -> None:
+    for tensor, kind in POISON.get(name, []):
+        arr = problem.tensors[tensor]
+        if arr.ndim == 1:
+            if kind == "zero row":
+                arr[rng.randrange(arr.shape[0])] = 0
+            continue
+        row = rng.randrange(arr.shape[0])
+        if kind == "-inf row":
+            arr[row] = -np.inf
+        elif kind == "zero row":
+            arr[row] = 0.0
+        elif kind == "-inf some":
+            cols = rng.sample(range(arr.shape[1]), max(1, arr.shape[1] // 3))
+            arr[row, cols] = -np.inf
+
+
+@pytest.fixture(scope="module")
+def analyses():
+    return {p.stem: derive(load_spec(p)) for p in ALL}
+
+
+@pytest.mark.parametrize("path", ALL, ids=lambda p: p.stem)
+def test_online_and_merge_forms_match_the_unfused_cascade(path, analyses):
+    op = analyses[path.stem]
+    for case in op.cases:
+        for seed in range(4):
+            rng = random.Random(seed * 7919 + hash(case.ir.label) % 1000)
+            prob = random_problem(case.ir, rng, max_size=6)
+            poison(prob, op.spec.name, rng)
+            ref = evaluate_direct(case, prob)
+            online = evaluate_online(case, prob, rng)
+            merged = evaluate_merged(case, prob, rng, segments=rng.randint(2, 4))
+            assert not compare(ref, online, 1e-12), (case.ir.label, compare(ref, online, 1e-12))
+            assert not compare(ref, merged, 1e-12), (case.ir.label, compare(ref, merged, 1e-12))
+            # chunks of exactly one element
+            n = int(case.ir.extents[case.ir.over].xreplace(
+                {**{case.ir.axes[k]: v for k, v in prob.sizes.items()},
+                 **{case.ir.scalars[k]: v for k, v in prob.scalars.items() if k in case.ir.scalars}}))
+            ones = evaluate_online(case, prob, rng, chunks=range(n + 1))
+            assert not compare(ref, ones, 1e-12), (case.ir.label, compare(ref, ones, 1e-12))
+
+
+def _runs(case, prob, rng):
+    return [evaluate_online(case, prob, rng), evaluate_merged(case, prob, rng), evaluate_direct(case, prob)]
+
+
+def test_attention_fully_masked_rows_give_zero_and_minus_inf(analyses):
+    case = analyses["fused_attention"].case(causal=True)
+    rng = random.Random(5)
+    prob = random_problem(case.ir, rng, fixed={"Sq": 7, "Sk": 3, "B": 2, "H": 2, "Hk": 1, "D": 3})
+    for out in _runs(case, prob, rng):
+        # bottom-right alignment: query i sees keys j <= i + Sk - Sq = i - 4; rows 0..3 see nothing
+        assert np.all(out["out"][:, :4] == 0.0)
+        assert np.all(out["lse"][:, :, :4] == -np.inf)
+        assert np.all(np.isfinite(out["out"][:, 4:])) and np.all(np.isfinite(out["lse"][:, :, 4:]))
+
+
+def test_mla_empty_sequence_gives_zero_and_minus_inf(analyses):
+    case = analyses["mla_decode"].case(causal=False)
+    rng = random.Random(6)
+    prob = random_problem(case.ir, rng, fixed={"B": 3, "Sq": 2, "Hq": 2, "NB": 4, "MB": 2, "head_dim_v": 3})
+    prob.tensors["cache_seqlens"][1] = 0
+    prob.tensors["block_table"][1] = 10**6  # unused entries may hold any value
+    for out in _runs(case, prob, rng):
+        assert np.all(out["out"][1] == 0.0) and np.all(out["lse"][1] == -np.inf)
+        assert np.all(np.isfinite(out["out"][[0, 2]]))
+
+
+def test_logsumexp_and_softmax_of_minus_inf_rows(analyses):
+    rng = random.Random(7)
+    lse = analyses["logsumexp"].cases[0]
+    sm = analyses["softmax"].cases[0]
+    prob = random_problem(lse.ir, rng, fixed={"T": 3, "E": 5})
+    prob.tensors["x"][1] = -np.inf
+    prob.tensors["x"][2, :2] = -np.inf
+    for out in _runs(lse, prob, rng):
+        assert out["out"][1] == -np.inf and np.isfinite(out["out"][[0, 2]]).all()
+    for out in _runs(sm, prob, rng):
+        assert np.all(out["out"][1] == 0.0)
+        assert np.all(out["out"][2, :2] == 0.0) and np.isclose(out["out"][2].sum(), 1.0)
+
+
+def test_all_zero_rows_quantize_to_exact_zero(analyses):
+    case = analyses["fp8_quant_gemm"].case(bias="absent")
+    rng = random.Random(8)
+    prob = random_problem(case.ir, rng, fixed={"M": 3, "N": 16, "K": 16, "NS": 16})
+    prob.tensors["x"][1] = 0.0
+    for out in _runs(case, prob, rng):
+        assert np.all(out["out"][1] == 0.0) and np.all(np.isfinite(out["out"]))
+
+
+def test_attention_forms_are_derived(analyses):
+    """The online softmax update, its guard and merge form come out of the engine."""
+    import sympy as sp
+
+    case = analyses["fused_attention"].case(causal=False)
+    l_form, o_form = case.form("l"), case.form("o")
+    m_old, m_new = case.sym("m", "old_safe"), case.sym("m", "new_safe")
+    assert l_form.kind == "*" and sp.simplify(l_form.correction - sp.exp(m_old - m_new)) == 0
+    assert sp.simplify(o_form.correction - sp.exp(m_old - m_new)) == 0
+    guard = case.guard("m")
+    assert guard is not None and guard.points == ((sp.S.NegativeInfinity, 0),)
+    lse = next(o for o in case.outputs if o.name == "lse")
+    m, l_ = case.ir.states["m"], case.ir.states["l"]
+    assert sp.simplify(lse.value - (m + sp.log(l_))) == 0
+    assert [p.reductions for p in case.passes] == [("m", "l", "o")]
+
+
+def test_explain_prints_the_online_softmax():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "generator", "explain", str(ROOT / "specs" / "fused_attention.yaml")],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "l_new = l_old * exp(m_old_safe - m_new_safe) + sum_{j in chunk} exp(s - m_new_safe)" in out
+    assert "m_safe = (0 if m == -inf else m)" in out
+    assert "l = sum_p l_p * exp(m_p_safe - m_safe)" in out
+    assert "lse[b, h, i] = m + log(l)" in out
+    assert "out[b, i, h, d] = (0 if l == 0 else o/l)" in out
+
+
+# --------------------------------------------------------------------------------------------- rejections
+@pytest.mark.parametrize(
+    "name, reduction, condition, detail",
+    [
+        ("median", "md", "operator", "'median' is not a supported reduction"),
+        ("sin_product", "y", "decomposable", "sin(m_new*x[t, e])/sin(m_old*x[t, e]) depends on x[t, e]"),
+        ("max_unknown_sign", "y", "distributive", "the factor total_new/total_old has unknown sign"),
+        ("later_dependency", "l", "dependency order", "depends on 'm', which is reduced later"),
+    ],
+)
+def test_rejections_name_reduction_condition_and_expression(name, reduction, condition, detail):
+    spec = load_spec(ROOT / "tests" / "specs" / "reject" / f"{name}.yaml")
+    with pytest.raises(FusionError) as exc:
+        analyze(spec)
+    assert exc.value.reduction == reduction
+    assert exc.value.condition == condition
+    assert detail in exc.value.detail
+    assert f"{name}.yaml:" in str(exc.value)  # the file and line
+
+
+def test_pass_budget_is_enforced():
+    text = (ROOT / "specs" / "moe_route.yaml").read_text().replace("passes: 3", "passes: 1")
+    from generator.spec import parse_spec
+
+    with pytest.raises(FusionError) as exc:
+        analyze(parse_spec(text, "moe_route_one_pass.yaml"))
+    assert exc.value.condition in ("passes", "decomposable", "distributive", "exact order")
+
+
+@pytest.mark.parametrize(
+    "mutation, message",
+    [
+        (("max(s)", "max(s, 1)"), "max() takes 1 positional argument(s), got 2"),
+        (("dtype: q}", "dtype: qq}"), "'qq' is not an earlier tensor argument"),
+        (("over: j", "over: zz"), "reduction index 'zz' is not declared"),
+        (("v[b, j, g, d]", "v[b, j, d]"), "'v' has 4 dims, indexed with 3"),
+        (("exp(s - m)", "exq(s - m)"), "unknown function 'exq'"),
+    ],
+)
+def test_spec_errors_name_file_line_and_key(mutation, message):
+    from generator.spec import parse_spec
+
+    text = (ROOT / "specs" / "fused_attention.yaml").read_text().replace(*mutation, 1)
+    with pytest.raises((SpecError, FusionError)) as exc:
+        op = parse_spec(text, "broken.yaml")
+        analyze(op)
+    assert message in str(exc.value)
+    assert "broken.yaml:" in str(exc.value)
+    line = int(str(exc.value).split(":")[1])
+    assert line > 0
+
+
+def test_check_command_passes_on_shipped_specs():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "generator", "check"], cwd=ROOT, capture_output=True, text=True,
+                       check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("ok ") == len(SHIPPED)
