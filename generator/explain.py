@@ -48,7 +48,7 @@ class _Printer(StrPrinter):
         if isinstance(expr, idiv):
             a, b = (self._print(x) if (x.is_Atom or isinstance(x, sp.Indexed)) else f"({self._print(x)})"
                     for x in expr.args)
-            return f"{a} // {b}"
+            return f"({a} // {b})"
         if isinstance(expr, entrysum):
             return f"sum({self._print(expr.args[0])})"
         if isinstance(expr, isin):

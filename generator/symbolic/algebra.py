@@ -294,7 +294,10 @@ class GuardPoint:
 
 
 def _degenerate(value: sp.Expr) -> bool:
-    if value.has(sp.nan, sp.zoo, sp.oo, sp.S.NegativeInfinity):
+    """Not a finite non-zero number: 0, +-oo, nan, or undetermined (sin(oo) is an interval in sympy)."""
+    if value.has(sp.nan, sp.zoo, sp.oo, sp.S.NegativeInfinity) or value.atoms(sp.AccumBounds):
+        return True
+    if not value.is_number:
         return True
     if value.is_zero:
         return True

@@ -270,15 +270,17 @@ class Evaluator:
             return out
         if isinstance(expr, sp.Not):
             return lift(np.logical_not, self.ev(expr.args[0], env))
-        if isinstance(expr, entrysum):
+        if isinstance(expr, entrysum):  # over the filled entries
             base = env[expr.args[0]]
-            return reduce_dim(base, _entry_dim(base), np.sum)
+            ok = env[_valid_base(expr.args[0])]
+            filled = lift(lambda v, k: np.where(k, v, 0.0), base, ok)
+            return reduce_dim(filled, _entry_dim(base), np.sum)
         if isinstance(expr, isin):
             x = self.ev(expr.args[0], env)
             base = env[expr.args[1]]
-            edim = _entry_dim(base)
-            eq = lift(np.equal, x, base)
-            return reduce_dim(eq, edim, np.any)
+            ok = env[_valid_base(expr.args[1])]
+            eq = lift(lambda a, b, k: np.logical_and(np.equal(a, b), k), x, base, ok)
+            return reduce_dim(eq, _entry_dim(base), np.any)
         raise NotImplementedError(f"cannot evaluate {expr!r} ({type(expr).__name__})")
 
     def _read(self, ix: sp.Indexed, env: dict[sp.Basic, NA]) -> NA:
@@ -318,6 +320,10 @@ def _contract(factors: list[NA], dim: str) -> NA:
         if not any(dim in f.dims for f in factors):
             raise ValueError(f"contraction over {dim} of factors that do not depend on it")
         return NA(np.asarray(np.einsum(spec, *ops)), out_dims)
+
+
+def _valid_base(base: sp.IndexedBase) -> sp.IndexedBase:
+    return sp.IndexedBase(str(base.label).split(".")[0] + ".__valid")
 
 
 def _entry_dim(a: NA) -> str:
@@ -362,9 +368,11 @@ def select_top(key: NA, index: NA, valid: NA, payloads: dict[str, NA], dim: str,
         return np.take_along_axis(a, order, axis=-1)
 
     nd = order_dims[:-1] + (out_dim,)
+    ok = take(V)
+    # entries that no counted element filled are canonical: key -inf, index -1, payloads 0
     return SelState(
-        NA(take(K), nd), NA(take(I), nd), NA(take(V), nd),
-        {n: NA(take(full(v).astype(np.float64)), nd) for n, v in payloads.items()},
+        NA(np.where(ok, take(K), -np.inf), nd), NA(np.where(ok, take(I), -1), nd), NA(ok, nd),
+        {n: NA(np.where(ok, take(full(v).astype(np.float64)), 0.0), nd) for n, v in payloads.items()},
     )
 
 
@@ -423,6 +431,7 @@ class _Run:
                 return
             env[sp.IndexedBase(f"{name}.value")] = val.key
             env[sp.IndexedBase(f"{name}.index")] = val.index
+            env[sp.IndexedBase(f"{name}.__valid")] = val.valid
             for p, v in val.payloads.items():
                 env[sp.IndexedBase(f"{name}.{p}")] = v
             return

@@ -1,0 +1,165 @@
+"""sympy -> C++ expression printer for the generated CPU kernels.
+
+The printer knows nothing about ops: a `names` callback maps each symbol, tensor read and selection field to
+C++ text (the kernel emitter decides where values live). Floating values are float; integer values int64_t.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import sympy as sp
+
+from ..symbolic.expr import (
+    Cast,
+    cast_bfloat16,
+    cast_e4m3,
+    cast_float16,
+    entrysum,
+    idiv,
+    isin,
+    sigmoid,
+)
+
+FLOAT_FUNCS = {sp.exp: "rf::exp", sp.log: "rf::log", sp.sin: "std::sin", sp.cos: "std::cos", sp.tanh: "std::tanh"}
+ROUNDING = {cast_e4m3: "rf::round_e4m3", cast_float16: "rf::round_half", cast_bfloat16: "rf::round_bf16"}
+
+
+def float_literal(v: float) -> str:
+    if v == float("inf"):
+        return "rf::kInf"
+    if v == float("-inf"):
+        return "(-rf::kInf)"
+    if math.isnan(v):
+        return "rf::kNaN"
+    text = repr(float(v))
+    if "e" not in text and "." not in text:
+        text += ".0"
+    return f"{text}f"
+
+
+class CppPrinter:
+    """Prints sympy expressions as C++; `resolve(node)` returns C++ text for leaves it knows (or None)."""
+
+    def __init__(self, resolve: Callable[[sp.Basic], str | None]):
+        self.resolve = resolve
+
+    def __call__(self, expr: sp.Basic) -> str:
+        return self.p(expr)
+
+    def is_int(self, e: sp.Basic) -> bool:
+        if isinstance(e, (idiv, sp.Mod)):
+            return all(self.is_int(a) for a in e.args)
+        if isinstance(e, (sp.Add, sp.Mul)) and e.args:
+            return all(self.is_int(a) for a in e.args)
+        return bool(getattr(e, "is_integer", False))
+
+    def p(self, e: sp.Basic) -> str:
+        if isinstance(e, bool):
+            return "true" if e else "false"
+        hit = self.resolve(e)
+        if hit is not None:
+            return hit
+        if e is sp.true:
+            return "true"
+        if e is sp.false:
+            return "false"
+        if e is sp.oo:
+            return "rf::kInf"
+        if e is sp.S.NegativeInfinity:
+            return "(-rf::kInf)"
+        if e is sp.nan:
+            return "rf::kNaN"
+        if e.is_Integer:
+            return f"int64_t({int(e)})"
+        if e.is_Rational:
+            return float_literal(float(e))
+        if e.is_Float:
+            return float_literal(float(e))
+        if isinstance(e, sp.Add):
+            ints = all(self.is_int(a) for a in e.args)
+            parts = [self.p(a) for a in e.args]
+            return "(" + " + ".join(parts) + ")" if ints else "(" + " + ".join(self.flt(a) for a in e.args) + ")"
+        if isinstance(e, sp.Mul):
+            if all(self.is_int(a) for a in e.args):
+                return "(" + " * ".join(self.p(a) for a in e.args) + ")"
+            num, den = [], []
+            for a in e.args:
+                if a.is_Pow and a.exp.is_Integer and int(a.exp) < 0:
+                    den.append(a.base ** (-a.exp))
+                elif a.is_Rational and not a.is_Integer and a.p == 1:
+                    den.append(sp.Integer(a.q))
+                else:
+                    num.append(a)
+            n = " * ".join(self.flt(a) for a in num) if num else "1.0f"
+            if not den:
+                return f"({n})"
+            d = " * ".join(self.flt(a) for a in den)
+            return f"({n} / ({d}))"
+        if isinstance(e, sp.Pow):
+            b, x = e.base, e.exp
+            if x.is_Integer:
+                k = int(x)
+                if k == -1:
+                    return f"(1.0f / {self.flt(b)})"
+                if 1 <= k <= 4:
+                    return "(" + " * ".join([self.flt(b)] * k) + ")"
+            if x == sp.Rational(1, 2):
+                return f"rf::sqrt({self.flt(b)})"
+            if x == sp.Rational(-1, 2):
+                return f"(1.0f / rf::sqrt({self.flt(b)}))"
+            return f"std::pow({self.flt(b)}, {self.flt(x)})"
+        for fn, name in FLOAT_FUNCS.items():
+            if isinstance(e, fn):
+                return f"{name}({self.flt(e.args[0])})"
+        if isinstance(e, sigmoid):
+            return f"rf::sigmoid({self.flt(e.args[0])})"
+        if isinstance(e, sp.Abs):
+            return f"std::fabs({self.flt(e.args[0])})"
+        if isinstance(e, (sp.Max, sp.Min)):
+            fn = "rf::max" if isinstance(e, sp.Max) else "rf::min"
+            ints = all(self.is_int(a) for a in e.args)
+            args = [self.p(a) if ints else self.flt(a) for a in e.args]
+            out = args[0]
+            for a in args[1:]:
+                out = f"{fn}({out}, {a})"
+            return out
+        if isinstance(e, Cast):
+            inner = self.flt(e.args[0])
+            return f"{ROUNDING[type(e)]}({inner})" if type(e) in ROUNDING else inner
+        if isinstance(e, idiv):
+            return f"rf::idiv({self.p(e.args[0])}, {self.p(e.args[1])})"
+        if isinstance(e, sp.Mod):
+            return f"rf::imod({self.p(e.args[0])}, {self.p(e.args[1])})"
+        if isinstance(e, sp.Piecewise):
+            out = self.val(e.args[-1][0], e)
+            for value, cond in reversed(e.args[:-1]):
+                out = f"(({self.p(cond)}) ? {self.val(value, e)} : {out})"
+            return out
+        if isinstance(e, sp.core.relational.Relational):
+            op = {sp.Eq: "==", sp.Ne: "!=", sp.Lt: "<", sp.Le: "<=", sp.Gt: ">", sp.Ge: ">="}[type(e)]
+            ints = self.is_int(e.lhs) and self.is_int(e.rhs)
+            a, b = (self.p(e.lhs), self.p(e.rhs)) if ints else (self.flt(e.lhs), self.flt(e.rhs))
+            return f"({a} {op} {b})"
+        if isinstance(e, sp.And):
+            return "(" + " && ".join(self.p(a) for a in e.args) + ")"
+        if isinstance(e, sp.Or):
+            return "(" + " || ".join(self.p(a) for a in e.args) + ")"
+        if isinstance(e, sp.Not):
+            return f"(!{self.p(e.args[0])})"
+        if isinstance(e, (entrysum, isin)):
+            raise TypeError(f"{e} must be resolved by the kernel emitter")
+        raise NotImplementedError(f"no C++ for {e!r} ({type(e).__name__})")
+
+    def flt(self, e: sp.Basic) -> str:
+        """e as a float value (integers converted)."""
+        if isinstance(e, sp.Basic) and e.is_Integer:
+            return float_literal(float(e))
+        text = self.p(e)
+        if self.is_int(e):
+            return f"static_cast<float>({text})"
+        return text
+
+    def val(self, e: sp.Basic, context: sp.Basic) -> str:
+        return self.p(e) if self.is_int(context) else self.flt(e)

@@ -1,0 +1,731 @@
+"""Derived forms -> C++ CPU kernels, one function per specialisation, parallel over rows.
+
+The kernel is the online form, literally: for each row, for each pass, the reduction axis is processed in
+chunks; per chunk the element values are computed once, then the states of the pass are updated level by
+level (a state's correction c(D_old -> D_new) is applied, then the chunk's terms are folded in), guards give
+the safe values, resident (epilogue) reductions run after their pass, and the outputs are written from the
+final states. Every formula is printed from the engine's sympy forms; nothing here knows an op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy as sp
+
+from ..spec import OpSpec, ScalarArg, TensorArg
+from ..symbolic.algebra import MONOIDS
+from ..symbolic.expr import entrysum, is_bool, isin
+from ..symbolic.forms import Analysis, OpAnalysis, ReductionForm, element_atoms
+from .cpp import CppPrinter, float_literal
+
+CHUNK = 64
+CPP_TYPES = {
+    "float32": "float",
+    "float16": "rf::half_t",
+    "bfloat16": "rf::bf16_t",
+    "float8_e4m3fn": "rf::e4m3_t",
+    "int32": "int32_t",
+}
+
+
+def _sel_fields(analysis: Analysis) -> dict[str, ReductionForm]:
+    return {f.name: f for f in analysis.reductions if f.selection}
+
+
+# --------------------------------------------------------------------------------------------- types
+@dataclass(frozen=True)
+class TypeParam:
+    """A template parameter of the kernels: the element type of one or more tensors, chosen at run time."""
+
+    name: str  # "T_q"
+    field: str  # Args member holding the runtime dtype, e.g. "dt_q"
+    dtypes: tuple[str, ...]
+
+
+def type_params(spec: OpSpec) -> tuple[dict[str, str], list[TypeParam]]:
+    """C++ element type (a literal type or a template parameter name) of every tensor argument and output."""
+    types: dict[str, str] = {}
+    params: list[TypeParam] = []
+    for t in spec.tensors:
+        if t.same_as:
+            types[t.name] = types[t.same_as]
+        elif len(t.dtypes) == 1:
+            types[t.name] = CPP_TYPES[t.dtypes[0]]
+        else:
+            dts = tuple(d for d in t.dtypes if d in CPP_TYPES)
+            if t is spec.tensors[0]:
+                dts = tuple(d for d in spec.variants.cpu_dtypes if d in CPP_TYPES)
+            types[t.name] = f"T_{t.name}"
+            params.append(TypeParam(f"T_{t.name}", f"dt_{t.name}", dts))
+    first = spec.tensors[0].name
+    for o in spec.outputs:
+        key = f"out:{o.name}"
+        if o.dtype in CPP_TYPES:
+            types[key] = CPP_TYPES[o.dtype]
+        elif o.dtype in types:
+            types[key] = types[o.dtype]
+        elif " or " in o.dtype:  # "<ScalarType arg> or <tensor>": any float type, chosen at run time
+            dts = tuple(d for d in ("float32", "float16", "bfloat16"))
+            types[key] = f"T_out_{o.name}"
+            params.append(TypeParam(f"T_out_{o.name}", f"odt_{o.name}", dts))
+        else:
+            raise ValueError(f"{spec.name}: output dtype '{o.dtype}' is not understood")
+    del first
+    return types, params
+
+
+# --------------------------------------------------------------------------------------------- one kernel
+class _Kernel:
+    def __init__(self, spec: OpSpec, a: Analysis, index: int, types: dict[str, str]):
+        self.spec = spec
+        self.a = a
+        self.ir = a.ir
+        self.index = index
+        self.types = types
+        self.lines: list[str] = []
+        self.ind = 1
+        self.tmp = 0
+        self.sels = _sel_fields(a)
+        self.hoisted: dict[sp.Basic, str] = {}  # row-invariant contraction factors -> row buffers
+        self.local: dict[sp.Basic, str] = {}  # temporaries (cse, contractions)
+        self.pr = CppPrinter(self.resolve)
+        for f in a.reductions:
+            for d in f.online_deps:
+                dep = a.form(d)
+                if dep.free or dep.selection:
+                    raise NotImplementedError(
+                        f"{spec.name}: '{f.name}' is corrected for '{d}', a state carried over free indices or a "
+                        "selection; the CPU emitter corrects only for scalar states")
+
+    # ------------------------------------------------------------------ output helpers
+    def emit(self, line: str = "") -> None:
+        self.lines.append(("  " * self.ind + line) if line else "")
+
+    def block(self, head: str) -> None:
+        self.emit(head + " {")
+        self.ind += 1
+
+    def end(self, tail: str = "}") -> None:
+        self.ind -= 1
+        self.emit(tail)
+
+    def fresh(self, stem: str) -> str:
+        self.tmp += 1
+        return f"{stem}{self.tmp}"
+
+    # ------------------------------------------------------------------ names
+    def resolve(self, e: sp.Basic) -> str | None:
+        ir = self.ir
+        if e in self.local:
+            return self.local[e]
+        if isinstance(e, sp.Symbol):
+            n = e.name
+            if n in ir.indices and ir.indices[n] == e:
+                return f"ix_{n}"
+            if n in ir.axes and ir.axes[n] == e:
+                return f"sz_{n}"
+            if n in ir.scalars and ir.scalars[n] == e:
+                return f"p_{n}"
+            for let in ir.lets:
+                if let.symbol == e:
+                    if let.kind == "row":
+                        return f"lt_{n}"
+                    return f"el_{n}[jj]"
+            for s, roles in self.a.symbols.items():
+                for role, sym in roles.items():
+                    if sym == e:
+                        if role == "cur":
+                            return self.state_ref(s)
+                        return f"st_{s}_{role}"
+            return None
+        if isinstance(e, sp.Indexed):
+            label = str(e.base.label)
+            if label in ir.tensors:
+                return self.tensor_read(label, e.indices)
+            if "." in label:
+                sel, fld = label.split(".", 1)
+                return self.sel_ref(sel, fld, e.indices[0])
+            return None
+        if isinstance(e, entrysum):
+            sel, fld = str(e.args[0].label).split(".", 1)
+            f = self.sels[sel]
+            off = self.free_offset(f)
+            return f"rf::sel_sum({self.sel_array(sel, fld)} + {off}, st_{sel}_ok + {off}, K_{sel})"
+        if isinstance(e, isin):
+            sel, _ = str(e.args[1].label).split(".", 1)
+            f = self.sels[sel]
+            off = self.free_offset(f)
+            return f"rf::sel_has(st_{sel}_idx + {off}, st_{sel}_ok + {off}, K_{sel}, {self.pr(e.args[0])})"
+        if isinstance(e, sp.Sum):
+            raise TypeError(f"contraction {e} outside a let")
+        return None
+
+    def tensor_read(self, name: str, indices: tuple) -> str:
+        if (name, tuple(indices)) in self.hoisted:
+            return self.hoisted[(name, tuple(indices))]
+        off = " + ".join(f"({self.pr(i)}) * st_{name}[{d}]" for d, i in enumerate(indices))
+        return f"rf::ld(t_{name}[{off}])"
+
+    def free_offset(self, f: ReductionForm) -> str:
+        if not f.free:
+            return "0"
+        out = f"ix_{f.free[0]}"
+        for n in f.free[1:]:
+            out = f"({out}) * ex_{n} + ix_{n}"
+        return f"({out}) * K_{f.name}" if f.selection else out
+
+    def state_ref(self, name: str) -> str:
+        f = self.a.form(name)
+        if f.free:
+            return f"st_{name}[{self.free_offset(f)}]"
+        return f"st_{name}"
+
+    def sel_array(self, sel: str, field: str) -> str:
+        if field == "value":
+            return f"st_{sel}_key"
+        if field == "index":
+            return f"st_{sel}_idx"
+        return f"st_{sel}_pl_{field}"
+
+    def sel_ref(self, sel: str, field: str, entry: sp.Basic) -> str:
+        f = self.sels[sel]
+        return f"{self.sel_array(sel, field)}[{self.free_offset(f)} + {self.pr(entry)}]"
+
+    # ------------------------------------------------------------------ the function
+    def function(self, template: list[str]) -> str:
+        ir = self.ir
+        name = f"rows_case{self.index}"
+        head = f"template <{', '.join('class ' + t for t in template)}>\n" if template else ""
+        self.lines = []
+        self.preamble()
+        self.block("for (int64_t row = row_begin; row < row_end; ++row)")
+        self.decode_row()
+        for p in self.a.passes:
+            self.run_pass(p.number)
+        self.outputs()
+        self.end()
+        body = "\n".join(self.lines)
+        label = ir.label
+        return (f"// specialisation {label}\n{head}static void {name}(const Args& A, int64_t row_begin, "
+                f"int64_t row_end) {{\n{body}\n}}\n")
+
+    def preamble(self) -> None:
+        ir, spec = self.ir, self.spec
+        for t in spec.tensors:
+            self.emit(f"const {self.types[t.name]}* __restrict__ t_{t.name} = "
+                      f"static_cast<const {self.types[t.name]}*>(A.t_{t.name});")
+            self.emit(f"const int64_t* st_{t.name} = A.st_{t.name};")
+        for o in spec.outputs:
+            ty = self.types[f"out:{o.name}"]
+            self.emit(f"{ty}* __restrict__ o_{o.name} = static_cast<{ty}*>(A.o_{o.name});")
+            self.emit(f"const int64_t* ost_{o.name} = A.ost_{o.name};")
+        for n in ir.axes:
+            self.emit(f"const int64_t sz_{n} = A.sz_{n};")
+        for n, s in ir.scalars.items():
+            ty = "int64_t" if s.is_integer else "float"
+            self.emit(f"const {ty} p_{n} = static_cast<{ty}>(A.p_{n});")
+        for n, ext in ir.extents.items():
+            self.emit(f"const int64_t ex_{n} = {self.pr(ext)};")
+        self.emit(f"(void)sz_{next(iter(ir.axes))};")
+        # selection sizes and storage
+        for f in self.a.reductions:
+            if f.selection:
+                self.emit(f"const int64_t K_{f.name} = std::max<int64_t>(1, {self.pr(f.k)});")
+        for f in self.a.reductions:
+            size = " * ".join([f"ex_{n}" for n in f.free] or ["int64_t(1)"])
+            if f.selection:
+                total = f"({size}) * K_{f.name}"
+                self.emit(f"std::vector<float> buf_{f.name}_key({total});")
+                self.emit(f"std::vector<int64_t> buf_{f.name}_idx({total});")
+                self.emit(f"std::vector<uint8_t> buf_{f.name}_ok({total});")
+                self.emit(f"float* st_{f.name}_key = buf_{f.name}_key.data();")
+                self.emit(f"int64_t* st_{f.name}_idx = buf_{f.name}_idx.data();")
+                self.emit(f"uint8_t* st_{f.name}_ok = buf_{f.name}_ok.data();")
+                for p in f.payloads:
+                    self.emit(f"std::vector<float> buf_{f.name}_pl_{p.name}({total});")
+                    self.emit(f"float* st_{f.name}_pl_{p.name} = buf_{f.name}_pl_{p.name}.data();")
+            elif f.free:
+                self.emit(f"std::vector<float> buf_{f.name}({size});")
+                self.emit(f"float* st_{f.name} = buf_{f.name}.data();")
+        # element arrays of a chunk
+        for let in ir.element_lets:
+            ty = "int64_t" if let.symbol.is_integer else "float"
+            self.emit(f"{ty} el_{let.name}[{CHUNK}];")
+        self.emit(f"uint8_t el_ok[{CHUNK}];   // mask holds")
+        self.emit(f"uint8_t el_cnt[{CHUNK}];  // counted by non-selection reductions (mask, not the mask value)")
+        self.hoist_buffers()
+
+    def hoist_buffers(self) -> None:
+        """Row-invariant factors of contractions (the q row of q . k) are converted once per row."""
+        ir = self.ir
+        over = ir.indices[ir.over]
+        self.hoist_fill: list[tuple[str, sp.Indexed, sp.Symbol, str]] = []
+        for let in ir.element_lets:
+            for s in let.expr.atoms(sp.Sum):
+                c = s.limits[0][0]
+                body = s.function
+                for fac in (body.args if body.is_Mul else (body,)):
+                    if not isinstance(fac, sp.Indexed) or str(fac.base.label) not in ir.tensors:
+                        continue
+                    deps = self.index_deps(fac)
+                    if ir.over in deps or over in fac.free_symbols or c not in fac.free_symbols:
+                        continue
+                    if any(d not in ir.rows and d != c.name for d in deps):
+                        continue
+                    key = (str(fac.base.label), tuple(fac.indices))
+                    if key in self.hoisted:
+                        continue
+                    buf = self.fresh("rowbuf")
+                    self.emit(f"std::vector<float> {buf}_v(ex_{c.name});")
+                    self.emit(f"float* {buf} = {buf}_v.data();")
+                    self.hoisted[key] = f"{buf}[ix_{c.name}]"
+                    self.hoist_fill.append((buf, fac, c, key))
+
+    def index_deps(self, e: sp.Basic) -> set[str]:
+        ir = self.ir
+        out: set[str] = set()
+        for s in e.free_symbols:
+            if s.name in ir.indices and ir.indices[s.name] == s:
+                out.add(s.name)
+            else:
+                for let in ir.lets:
+                    if let.symbol == s:
+                        out |= set(let.indices)
+        return out
+
+    def decode_row(self) -> None:
+        ir = self.ir
+        self.emit("int64_t rem = row;")
+        for n in reversed(ir.rows):
+            self.emit(f"const int64_t ix_{n} = rem % ex_{n};")
+            self.emit(f"rem /= ex_{n};")
+        self.emit("(void)rem;")
+        for let in ir.row_lets:
+            ty = "int64_t" if let.symbol.is_integer else "float"
+            self.emit(f"const {ty} lt_{let.name} = {self.pr.val(let.expr, let.symbol)};")
+        for buf, fac, c, key in self.hoist_fill:
+            saved = self.hoisted.pop(key)
+            self.emit(f"for (int64_t ix_{c.name} = 0; ix_{c.name} < ex_{c.name}; ++ix_{c.name}) "
+                      f"{buf}[ix_{c.name}] = {self.pr.flt(fac)};")
+            self.hoisted[key] = saved
+
+    # ------------------------------------------------------------------ passes
+    def levels(self, forms: list[ReductionForm]) -> list[list[ReductionForm]]:
+        level: dict[str, int] = {}
+        for f in forms:
+            level[f.name] = 1 + max([level[d] for d in f.online_deps if d in level] + [-1])
+        n = max(level.values(), default=-1) + 1
+        return [[f for f in forms if level[f.name] == lv] for lv in range(n)]
+
+    def run_pass(self, number: int) -> None:
+        a = self.a
+        forms = [f for f in a.reductions if f.stage == "stream" and f.pass_no == number]
+        self.emit(f"// ---- pass {number}: {', '.join(f.name for f in forms) or '-'}")
+        for f in forms:
+            self.init_state(f)
+        if forms:
+            self.block(f"for (int64_t c0 = 0; c0 < ex_{self.ir.over}; c0 += {CHUNK})")
+            self.emit(f"const int64_t cn = std::min<int64_t>({CHUNK}, ex_{self.ir.over} - c0);")
+            self.element_prologue(forms)
+            for f in forms:
+                if not f.free and not f.selection:
+                    self.emit(f"const float st_{f.name}_old = st_{f.name};")
+                    self.emit_guard(f.name, "old")
+            for level in self.levels(forms):
+                self.run_level(level)
+                for f in level:
+                    if not f.free and not f.selection:
+                        self.emit(f"const float st_{f.name}_new = st_{f.name};")
+                        self.emit_guard(f.name, "new")
+                        self.emit(f"(void)st_{f.name}_new; (void)st_{f.name}_old;")
+            self.end()
+        for f in forms:
+            if not f.free and not f.selection:
+                self.emit_guard(f.name, None)
+        for f in a.reductions:
+            if f.stage == "epilogue" and f.pass_no == number:
+                self.epilogue(f)
+
+    def emit_guard(self, name: str, role: str | None) -> None:
+        g = self.a.guard(name)
+        if g is None:
+            return
+        src = f"st_{name}_{role}" if role else f"st_{name}"
+        dst = f"st_{name}_{role}_safe" if role else f"st_{name}_safe"
+        expr = src
+        for point, safe in reversed(g.points):
+            expr = f"({src} == {float_literal(float(point))} ? {float_literal(float(safe))} : {expr})"
+        self.emit(f"const float {dst} = {expr};")
+        self.emit(f"(void){dst};")
+
+    def init_state(self, f: ReductionForm) -> None:
+        if f.selection:
+            size = " * ".join([f"ex_{n}" for n in f.free] or ["int64_t(1)"])
+            self.emit(f"rf::sel_clear(st_{f.name}_key, st_{f.name}_idx, st_{f.name}_ok, ({size}) * K_{f.name});")
+            return
+        neutral = float_literal(float(f.neutral))
+        if f.free:
+            size = " * ".join(f"ex_{n}" for n in f.free)
+            self.emit(f"std::fill(st_{f.name}, st_{f.name} + {size}, {neutral});")
+        else:
+            self.emit(f"float st_{f.name} = {neutral};")
+
+    def element_prologue(self, forms: list[ReductionForm]) -> None:
+        """Per chunk: the mask, the element lets (only where the mask holds) and the counted flags."""
+        ir, a = self.ir, self.a
+        self.block("for (int64_t jj = 0; jj < cn; ++jj)")
+        self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
+        self.emit(f"const bool ok = {self.pr(ir.mask)};")
+        self.emit("el_ok[jj] = ok;")
+        lets = self.sorted_element_lets()
+        for let in lets:
+            fill = a.mask_value.get(let.symbol)
+            fv = float_literal(float(fill)) if fill is not None else ("0" if let.symbol.is_integer else "0.0f")
+            self.emit(f"el_{let.name}[jj] = {fv};")
+        if lets:
+            self.block("if (ok)")
+            for let in lets:
+                self.emit_let(let)
+            self.end()
+        counted = "ok"
+        for atom, value in a.mask_value.items():
+            counted += f" && !({self.pr(atom)} == {float_literal(float(value))})"
+        self.emit(f"el_cnt[jj] = {counted};  // && short-circuits: masked elements are not read")
+        self.end()
+
+    def sorted_element_lets(self) -> list:
+        ir = self.ir
+        lets = list(ir.element_lets)
+        done: list = []
+        while lets:
+            for let in lets:
+                deps = {s for s in let.expr.free_symbols} if isinstance(let.expr, sp.Basic) else set()
+                if all(d != other.symbol for other in lets if other is not let for d in deps):
+                    done.append(let)
+                    lets.remove(let)
+                    break
+            else:
+                raise ValueError(f"{ir.op}: cyclic element lets")
+        return done
+
+    def emit_let(self, let) -> None:
+        expr = let.expr
+        for s in sorted(expr.atoms(sp.Sum), key=str):
+            name = self.fresh("dot")
+            c = s.limits[0][0]
+            self.emit(f"float {name} = 0.0f;")
+            self.block(f"for (int64_t ix_{c.name} = 0; ix_{c.name} < ex_{c.name}; ++ix_{c.name})")
+            self.emit(f"{name} += {self.pr.flt(s.function)};")
+            self.end()
+            self.local[s] = name
+        self.emit(f"el_{let.name}[jj] = {self.pr.val(expr, let.symbol)};")
+
+    # ------------------------------------------------------------------ one level of a pass
+    def run_level(self, level: list[ReductionForm]) -> None:
+        for f in level:
+            self.correct(f)
+        scalar = [f for f in level if not f.selection and not f.free and not f.term.atoms(sp.Indexed)
+                  and self.a.mask_value and f.where in (sp.true, True)]
+        rest = [f for f in level if f not in scalar]
+        if scalar:  # branch-free: masked elements hold the mask value and contribute the neutral element
+            self.element_loop(scalar, branch=False)
+        if rest:
+            self.element_loop(rest, branch=True)
+
+    def correct(self, f: ReductionForm) -> None:
+        kinds = [(f.kind, f.correction, None)] + [(p.kind, p.correction, p.name) for p in f.payloads]
+        for kind, c, payload in kinds:
+            if kind == "none":
+                continue
+            cname = f"cr_{f.name}" + (f"_{payload}" if payload else "")
+            self.emit(f"const float {cname} = {self.pr.flt(c)};")
+            op = "*" if kind == "*" else "+"
+            if f.selection:
+                arr = f"st_{f.name}_key" if payload is None else f"st_{f.name}_pl_{payload}"
+                size = " * ".join([f"ex_{n}" for n in f.free] or ["int64_t(1)"]) + f" * K_{f.name}"
+                self.emit(f"for (int64_t r = 0; r < {size}; ++r) if (st_{f.name}_ok[r]) {arr}[r] = {arr}[r] {op} {cname};")
+            elif f.free:
+                size = " * ".join(f"ex_{n}" for n in f.free)
+                self.emit(f"for (int64_t r = 0; r < {size}; ++r) st_{f.name}[r] = st_{f.name}[r] {op} {cname};")
+            else:
+                self.emit(f"st_{f.name} = st_{f.name} {op} {cname};")
+
+    def element_loop(self, forms: list[ReductionForm], branch: bool) -> None:
+        ir = self.ir
+        if not branch:  # vectorisable reductions into locals
+            accs = {}
+            for f in forms:
+                acc = self.fresh("acc")
+                accs[f.name] = acc
+                self.emit(f"float {acc} = {float_literal(float(f.neutral))};")
+            self.block("for (int64_t jj = 0; jj < cn; ++jj)")
+            terms = self.cse([f.term for f in forms])
+            for f, t in zip(forms, terms):
+                self.emit(f"{accs[f.name]} = {self.fold(f.op, accs[f.name], self.pr.flt(t))};")
+            self.end()
+            for f in forms:
+                self.emit(f"st_{f.name} = {self.fold(f.op, f'st_{f.name}', accs[f.name])};")
+            self.local = {}
+            return
+        self.block("for (int64_t jj = 0; jj < cn; ++jj)")
+        self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
+        self.emit(f"(void)ix_{ir.over};")
+        for f in forms:
+            self.block("do")
+            self.emit("if (!el_cnt[jj]) break;" if not f.selection else "if (!el_ok[jj]) break;")
+            if f.selection:
+                self.insert(f)
+            else:
+                self.fold_term(f)
+            self.end("} while (false);")
+        self.end()
+        self.local = {}
+
+    def cse(self, exprs: list[sp.Expr]) -> list[sp.Expr]:
+        repl, reduced = sp.cse(exprs, symbols=sp.numbered_symbols("cse"), optimizations=None)
+        for sym, value in repl:
+            name = self.fresh("t")
+            is_int = bool(getattr(value, "is_integer", False))
+            ty = "int64_t" if is_int else "float"
+            self.emit(f"const {ty} {name} = {self.pr(value) if is_int else self.pr.flt(value)};")
+            self.local[sym] = name
+        return reduced
+
+    def fold(self, op: str, acc: str, value: str) -> str:
+        if op == "sum":
+            return f"{acc} + {value}"
+        return f"rf::{op}({acc}, {value})"
+
+    def free_loops(self, f: ReductionForm) -> int:
+        for n in f.free:
+            self.block(f"for (int64_t ix_{n} = 0; ix_{n} < ex_{n}; ++ix_{n})")
+        return len(f.free)
+
+    def fold_term(self, f: ReductionForm) -> None:
+        # the part of the term that does not depend on the free indices is computed once per element
+        free_syms = {self.ir.indices[n] for n in f.free}
+        term = f.term
+        outer, inner = sp.Integer(1), term
+        if f.free and term.is_Mul and f.op == "sum":
+            outer = sp.Mul(*[x for x in term.args if not (x.free_symbols & free_syms)])
+            inner = sp.Mul(*[x for x in term.args if x.free_symbols & free_syms])
+        if outer != 1:
+            name = self.fresh("w")
+            self.emit(f"const float {name} = {self.pr.flt(outer)};")
+            self.local[outer] = name
+            term = sp.Mul(outer, inner, evaluate=False) if inner != 1 else outer
+        where = f.where
+        n = self.free_loops(f)
+        guard = "" if where in (sp.true, True) else f"if ({self.pr(where)}) "
+        target = self.state_ref(f.name)
+        value = self.pr.flt(term)
+        self.emit(f"{guard}{target} = {self.fold(f.op, target, value)};")
+        for _ in range(n):
+            self.end()
+
+    def insert(self, f: ReductionForm) -> None:
+        """Offer this element to a selection (per free index where it applies)."""
+        where = f.where
+        n_loops = 0
+        pinned = None
+        # where = (value == g) for a free index g: the element belongs to exactly one g
+        if f.free and isinstance(where, sp.Eq):
+            for side, other in ((where.lhs, where.rhs), (where.rhs, where.lhs)):
+                if isinstance(side, sp.Symbol) and side.name in f.free and len(f.free) == 1:
+                    pinned = (side.name, other)
+        if pinned:
+            g, value = pinned
+            self.emit(f"const int64_t ix_{g} = {self.pr(value)};")
+            self.emit(f"if (ix_{g} < 0 || ix_{g} >= ex_{g}) break;")
+            where = sp.true
+        else:
+            n_loops = self.free_loops(f)
+        if where not in (sp.true, True):
+            self.emit(f"if (!({self.pr(where)})) {'continue' if n_loops else 'break'};")
+        off = self.free_offset(f)
+        self.emit(f"const float key = {self.pr.flt(f.term)};")
+        self.emit(f"float* kk = st_{f.name}_key + {off};")
+        self.emit(f"int64_t* ii = st_{f.name}_idx + {off};")
+        self.emit(f"uint8_t* oo = st_{f.name}_ok + {off};")
+        self.emit(f"const int64_t pos = rf::sel_position(kk, ii, oo, K_{f.name}, key, ix_{self.ir.over});")
+        self.block(f"if (pos < K_{f.name})")
+        self.emit(f"rf::sel_shift(kk, pos, K_{f.name}); rf::sel_shift(ii, pos, K_{f.name}); "
+                  f"rf::sel_shift(oo, pos, K_{f.name});")
+        self.emit(f"kk[pos] = key; ii[pos] = ix_{self.ir.over}; oo[pos] = 1;")
+        for p in f.payloads:
+            arr = f"st_{f.name}_pl_{p.name} + {off}"
+            self.emit(f"{{ float* pp = {arr}; rf::sel_shift(pp, pos, K_{f.name}); pp[pos] = {self.pr.flt(p.term)}; }}")
+        self.end()
+        for _ in range(n_loops):
+            self.end()
+
+    # ------------------------------------------------------------------ epilogues and outputs
+    def epilogue(self, f: ReductionForm) -> None:
+        over = self.ir.reduction(f.name).over
+        self.emit(f"// resident reduction {f.name} over {over}")
+        self.init_state(f)
+        self.block(f"for (int64_t ix_{over} = 0; ix_{over} < ex_{over}; ++ix_{over})")
+        if f.selection:
+            self.block("do")
+            where = f.where
+            if where not in (sp.true, True):
+                self.emit(f"if (!({self.pr(where)})) break;")
+            off = self.free_offset(f)
+            self.emit(f"const float key = {self.pr.flt(f.body)};")
+            self.emit(f"float* kk = st_{f.name}_key + {off};")
+            self.emit(f"int64_t* ii = st_{f.name}_idx + {off};")
+            self.emit(f"uint8_t* oo = st_{f.name}_ok + {off};")
+            self.emit(f"const int64_t pos = rf::sel_position(kk, ii, oo, K_{f.name}, key, ix_{over});")
+            self.block(f"if (pos < K_{f.name})")
+            self.emit(f"rf::sel_shift(kk, pos, K_{f.name}); rf::sel_shift(ii, pos, K_{f.name}); "
+                      f"rf::sel_shift(oo, pos, K_{f.name});")
+            self.emit(f"kk[pos] = key; ii[pos] = ix_{over}; oo[pos] = 1;")
+            for p in f.payloads:
+                self.emit(f"{{ float* pp = st_{f.name}_pl_{p.name} + {off}; rf::sel_shift(pp, pos, K_{f.name}); "
+                          f"pp[pos] = {self.pr.flt(p.expr)}; }}")
+            self.end()
+            self.end("} while (false);")
+        else:
+            where = f.where
+            guard = "" if where in (sp.true, True) else f"if ({self.pr(where)}) "
+            target = self.state_ref(f.name)
+            self.emit(f"{guard}{target} = {self.fold(f.op, target, self.pr.flt(f.body))};")
+        self.end()
+
+    def outputs(self) -> None:
+        ir = self.ir
+        for o in self.a.outputs:
+            spec_out = next(x for x in self.spec.outputs if x.name == o.name)
+            loops = [n for n in o.index if n not in ir.rows]
+            self.emit(f"// output {o.name}")
+            for n in loops:
+                self.block(f"for (int64_t ix_{n} = 0; ix_{n} < ex_{n}; ++ix_{n})")
+            if o.per_element:
+                self.emit("const int64_t jj = 0;")
+                self.emit(f"const int64_t c0 = ix_{ir.over};")
+                self.emit("(void)c0;")
+                for let in self.sorted_element_lets():
+                    self.emit_let(let)
+            off = " + ".join(f"ix_{n} * ost_{o.name}[{d}]" for d, n in enumerate(o.index))
+            ty = self.types[f"out:{o.name}"]
+            if ty == "int32_t":
+                self.emit(f"o_{o.name}[{off}] = static_cast<int32_t>({self.pr(o.value)});")
+            else:
+                self.emit(f"rf::store(&o_{o.name}[{off}], {self.pr.flt(o.value)});")
+            for _ in loops:
+                self.end()
+            del spec_out
+
+
+# --------------------------------------------------------------------------------------------- the file
+def _args_struct(spec: OpSpec, a0: Analysis) -> list[str]:
+    ir = a0.ir
+    lines = ["struct Args {"]
+    for t in spec.tensors:
+        lines.append(f"  const void* t_{t.name} = nullptr;  // {t.name}{' (optional)' if t.optional else ''}")
+        lines.append(f"  int64_t st_{t.name}[{len(t.shape)}] = {{}};  // element strides")
+        lines.append(f"  ScalarType dt_{t.name} = ScalarType::Float;")
+    for o in spec.outputs:
+        lines.append(f"  void* o_{o.name} = nullptr;")
+        lines.append(f"  int64_t ost_{o.name}[{len(o.shape)}] = {{}};")
+        lines.append(f"  ScalarType odt_{o.name} = ScalarType::Float;")
+    for n in ir.axes:
+        lines.append(f"  int64_t sz_{n} = 0;")
+    for a in spec.scalars:
+        if a.type == "int":
+            lines.append(f"  int64_t p_{a.name} = 0;")
+        elif a.type == "float":
+            lines.append(f"  double p_{a.name} = 0.0;  // when_null already applied")
+        elif a.type == "bool":
+            lines.append(f"  bool f_{a.name} = false;")
+        elif a.type == "str":
+            lines.append(f"  int f_{a.name} = 0;  // index into {list(a.choices)}")
+    for t in spec.tensors:
+        if t.optional:
+            lines.append(f"  bool has_{t.name} = false;")
+    lines.append("  int64_t rows = 0;  // product of the row extents")
+    lines.append("};")
+    return lines
+
+
+def _case_condition(spec: OpSpec, a: Analysis) -> str:
+    parts = []
+    for name, value in a.ir.specialization:
+        arg = spec.arg(name)
+        if isinstance(arg, TensorArg):
+            parts.append(f"A.has_{name} == {'true' if value == 'present' else 'false'}")
+        elif isinstance(arg, ScalarArg) and arg.type == "bool":
+            parts.append(f"A.f_{name} == {'true' if value else 'false'}")
+        else:
+            parts.append(f"A.f_{name} == {arg.choices.index(value)}")
+    return " && ".join(parts) or "true"
+
+
+def cpu_header(op: OpAnalysis) -> str:
+    spec = op.spec
+    lines = [
+        "#pragma once",
+        "#include \"runtime.h\"",
+        "",
+        f"namespace redfuser::gen::{spec.name} {{",
+        "",
+        *_args_struct(spec, op.cases[0]),
+        "",
+        "// Runs the CPU kernel of the specialisation the flags select, parallel over rows.",
+        "void run_cpu(const Args& A);",
+        "",
+        f"}}  // namespace redfuser::gen::{spec.name}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def cpu_source(op: OpAnalysis, header_name: str) -> str:
+    spec = op.spec
+    types, params = type_params(spec)
+    template = [p.name for p in params]
+    out = [
+        f"#include \"{header_name}\"",
+        "",
+        "#include <algorithm>",
+        "#include <cmath>",
+        "#include <vector>",
+        "",
+        "#include \"cpu_math.h\"",
+        "",
+        f"namespace redfuser::gen::{spec.name} {{",
+        "namespace rf = redfuser::cpu;",
+        "",
+    ]
+    for n, a in enumerate(op.cases):
+        out.append(_Kernel(spec, a, n, types).function(template))
+    # dispatch: case by flags, then element types, then rows in parallel
+    out.append("void run_cpu(const Args& A) {")
+    for n, a in enumerate(op.cases):
+        call = f"rows_case{n}<{', '.join(template)}>" if template else f"rows_case{n}"
+        body = f"redfuser::parallel_rows(A.rows, grain, [&](int64_t b, int64_t e) {{ {call}(A, b, e); }});"
+        for p in reversed(params):
+            allowed = ", ".join(CPP_TYPES[d] for d in p.dtypes)
+            body = (f"rf::with_type<{allowed}>(\"{spec.name}\", \"{p.field[3:]}\", A.{p.field}, [&](auto tag_{p.name}) {{ "
+                    f"using {p.name} = typename decltype(tag_{p.name})::type; {body} }});")
+        grain = _grain(a)
+        out.append(f"  if ({_case_condition(spec, a)}) {{")
+        out.append(f"    const int64_t grain = {grain};")
+        out.append(f"    {body}")
+        out.append("    return;")
+        out.append("  }")
+    out.append(f"  redfuser::fail(\"{spec.name}\", \"no CPU kernel for this combination of arguments\");")
+    out.append("}")
+    out.append("")
+    out.append(f"}}  // namespace redfuser::gen::{spec.name}")
+    out.append("")
+    return "\n".join(out)
+
+
+def _grain(a: Analysis) -> int:
+    """Rows per task: enough work per task that the thread pool's overhead stays small."""
+    return 4 if a.ir.element_lets and any(x.expr.atoms(sp.Sum) for x in a.ir.element_lets) else 64
+
+
+__all__ = ["CPP_TYPES", "MONOIDS", "cpu_header", "cpu_source", "element_atoms", "is_bool", "type_params"]

@@ -1,0 +1,221 @@
+// redfuser-ops CPU kernel helpers: element types, loads/stores, a vectorisable exp, rounding casts and
+// the selection (top-k) primitives that generated CPU kernels call. Hand-written, op-agnostic: no op's math
+// lives here. Kernel objects are compiled with -O3 and reassociation but WITHOUT -ffinite-math-only, so that
+// the -inf/NaN guards the engine emits keep their meaning.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "runtime.h"
+
+namespace redfuser::cpu {
+
+// ------------------------------------------------------------------------------------------ element types
+struct half_t {
+  uint16_t bits;
+};
+struct bf16_t {
+  uint16_t bits;
+};
+struct e4m3_t {
+  uint8_t bits;
+};
+
+// ld: an element as a compute value (float for floating tensors, int64_t for integer tensors)
+inline float ld(float v) { return v; }
+inline float ld(half_t v) { return half_to_float(v.bits); }
+inline float ld(bf16_t v) { return bf16_to_float(v.bits); }
+inline int64_t ld(int32_t v) { return v; }
+inline int64_t ld(int64_t v) { return v; }
+
+// float8 e4m3fn (finite-only: max 448, NaN = 0x7F/0xFF, no infinities) <-> float
+inline float e4m3_to_float(uint8_t b) {
+  const uint32_t sign = (b & 0x80u) ? 0x80000000u : 0u;
+  const uint32_t exp = (b >> 3) & 0xFu;
+  const uint32_t man = b & 0x7u;
+  if (exp == 0xFu && man == 0x7u) return bits_float(sign | 0x7FC00000u);  // NaN
+  if (exp == 0) {
+    if (man == 0) return bits_float(sign);
+    return (sign ? -1.0f : 1.0f) * std::ldexp(static_cast<float>(man), -9);  // subnormal: man * 2^-9
+  }
+  return bits_float(sign | ((exp + 120u) << 23) | (man << 20));  // rebias 7 -> 127
+}
+inline float ld(e4m3_t v) { return e4m3_to_float(v.bits); }
+
+// round-to-nearest-even to e4m3fn with saturation to +-448 (NaN stays NaN)
+inline uint8_t float_to_e4m3(float f) {
+  if (std::isnan(f)) return 0x7Fu;
+  const uint8_t sign = std::signbit(f) ? 0x80u : 0u;
+  float a = std::fabs(f);
+  if (a >= 448.0f) return static_cast<uint8_t>(sign | 0x7Eu);  // saturate
+  if (a < std::ldexp(1.0f, -10)) return sign;                  // below half the smallest subnormal: 0
+  int e;
+  std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
+  int exp_field = e - 1 + 7;
+  if (exp_field < 1) {  // subnormal: units of 2^-9
+    const float q = std::nearbyint(a * 512.0f);
+    const uint32_t m = static_cast<uint32_t>(q);
+    if (m >= 8) return static_cast<uint8_t>(sign | 0x08u);  // rounds up to the smallest normal
+    return static_cast<uint8_t>(sign | m);
+  }
+  // normal: 3 mantissa bits
+  const float scale = std::ldexp(1.0f, e - 1 - 3);  // value of one mantissa unit
+  float q = std::nearbyint(a / scale);              // in [8, 16]
+  if (q >= 16.0f) {
+    q = 8.0f;
+    exp_field += 1;
+  }
+  if (exp_field > 15 || (exp_field == 15 && q > 14.0f)) return static_cast<uint8_t>(sign | 0x7Eu);
+  return static_cast<uint8_t>(sign | (exp_field << 3) | (static_cast<uint32_t>(q) - 8u));
+}
+
+template <class T>
+inline T from_float(float v);
+template <>
+inline e4m3_t from_float<e4m3_t>(float v) { return {float_to_e4m3(v)}; }
+template <>
+inline float from_float<float>(float v) { return v; }
+template <>
+inline half_t from_float<half_t>(float v) { return {float_to_half(v)}; }
+template <>
+inline bf16_t from_float<bf16_t>(float v) { return {float_to_bf16(v)}; }
+template <>
+inline int32_t from_float<int32_t>(float v) { return static_cast<int32_t>(v); }
+
+template <class T>
+inline void store(T* p, float v) {
+  *p = from_float<T>(v);
+}
+inline void store_index(int32_t* p, int64_t v) { *p = static_cast<int32_t>(v); }
+
+// rounding casts used by specs (exact-up-to-rounding in the proof; real rounding here)
+inline float round_e4m3(float v) { return e4m3_to_float(float_to_e4m3(v)); }
+inline float round_half(float v) { return half_to_float(float_to_half(v)); }
+inline float round_bf16(float v) { return bf16_to_float(float_to_bf16(v)); }
+
+// ------------------------------------------------------------------------------------------ math
+// exp for float: Cody-Waite range reduction + degree-7 Taylor polynomial on |r| <= ln2/2 (relative error
+// below 2e-7), written branch-free so that loops over it vectorise. exp(-inf) and anything below the
+// smallest normal give exactly 0, exp(+inf) and overflow give +inf, NaN stays NaN.
+inline float exp(float x) {
+  const float hi = 88.72283935546875f;   // just below ln(FLT_MAX)
+  const float lo = -87.33654475f;        // ln(FLT_MIN)
+  const float xc = x < lo ? lo : (x > hi ? hi : x);
+  const float n = std::nearbyint(xc * 1.44269504088896341f);
+  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 split: hi + lo parts
+  float p = 1.98412698e-4f;
+  p = p * r + 1.38888889e-3f;
+  p = p * r + 8.33333333e-3f;
+  p = p * r + 4.16666667e-2f;
+  p = p * r + 1.66666667e-1f;
+  p = p * r + 5.0e-1f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t ni = static_cast<int32_t>(n);
+  const float scale = bits_float(static_cast<uint32_t>(ni + 127) << 23);
+  float y = p * scale;
+  y = x < lo ? 0.0f : y;
+  y = x > hi ? std::numeric_limits<float>::infinity() : y;
+  return x != x ? x : y;
+}
+inline double exp(double x) { return std::exp(x); }
+
+inline float log(float x) { return std::log(x); }
+inline float sqrt(float x) { return std::sqrt(x); }
+inline float sigmoid(float x) { return 1.0f / (1.0f + redfuser::cpu::exp(-x)); }
+
+// max/min that propagate NaN (as torch.max and the engine's evaluator do)
+inline float max(float a, float b) { return (a != a || a > b) ? a : (b != b ? b : (a > b ? a : b)); }
+inline float min(float a, float b) { return (a != a || a < b) ? a : (b != b ? b : (a < b ? a : b)); }
+inline int64_t max(int64_t a, int64_t b) { return a > b ? a : b; }
+inline int64_t min(int64_t a, int64_t b) { return a < b ? a : b; }
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// floor division and modulo of integers (index arithmetic; operands are non-negative in specs)
+inline int64_t idiv(int64_t a, int64_t b) {
+  const int64_t q = a / b;
+  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+inline int64_t imod(int64_t a, int64_t b) {
+  const int64_t r = a % b;
+  return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+
+// ------------------------------------------------------------------------------------------ selections
+// A selection keeps k entries sorted by: filled first, larger key first, NaN keys after all others,
+// lower element index first. Unfilled entries hold key -inf and index -1.
+inline bool sel_better(float ka, int64_t ia, float kb, int64_t ib) {
+  const bool na = ka != ka, nb = kb != kb;
+  if (na != nb) return nb;  // a non-NaN key beats a NaN key
+  if (!na && ka != kb) return ka > kb;
+  return ia < ib;
+}
+
+// Position at which (key, index) enters the k sorted entries (filled: ok[]), or k if it does not.
+inline int64_t sel_position(const float* keys, const int64_t* idx, const uint8_t* ok, int64_t k, float key,
+                            int64_t index) {
+  int64_t pos = k;
+  while (pos > 0 && (!ok[pos - 1] || sel_better(key, index, keys[pos - 1], idx[pos - 1]))) --pos;
+  return pos;
+}
+
+template <class T>
+inline void sel_shift(T* a, int64_t pos, int64_t k) {
+  for (int64_t r = k - 1; r > pos; --r) a[r] = a[r - 1];
+}
+
+inline void sel_clear(float* keys, int64_t* idx, uint8_t* ok, int64_t k) {
+  for (int64_t r = 0; r < k; ++r) {
+    keys[r] = -kInf;
+    idx[r] = -1;
+    ok[r] = 0;
+  }
+}
+
+inline float sel_sum(const float* v, const uint8_t* ok, int64_t k) {
+  float s = 0.0f;
+  for (int64_t r = 0; r < k; ++r)
+    if (ok[r]) s += v[r];
+  return s;
+}
+
+inline bool sel_has(const int64_t* idx, const uint8_t* ok, int64_t k, int64_t value) {
+  for (int64_t r = 0; r < k; ++r)
+    if (ok[r] && idx[r] == value) return true;
+  return false;
+}
+
+// ------------------------------------------------------------------------------------------ dispatch
+template <class T>
+struct type_tag {
+  using type = T;
+};
+
+template <class T>
+constexpr ScalarType scalar_type_of();
+template <>
+constexpr ScalarType scalar_type_of<float>() { return ScalarType::Float; }
+template <>
+constexpr ScalarType scalar_type_of<half_t>() { return ScalarType::Half; }
+template <>
+constexpr ScalarType scalar_type_of<bf16_t>() { return ScalarType::BFloat16; }
+template <>
+constexpr ScalarType scalar_type_of<e4m3_t>() { return ScalarType::Float8_e4m3fn; }
+template <>
+constexpr ScalarType scalar_type_of<int32_t>() { return ScalarType::Int; }
+
+// f(type_tag<T>{}) for the one T among Allowed whose ScalarType is t; only those are instantiated.
+template <class... Allowed, class F>
+inline void with_type(std::string_view op, std::string_view arg, ScalarType t, F&& f) {
+  bool done = false;
+  ((!done && t == scalar_type_of<Allowed>() ? (f(type_tag<Allowed>{}), done = true) : false), ...);
+  if (!done) failf(op, arg, ": unsupported dtype ", dtype_name(t), " on CPU");
+}
+
+}  // namespace redfuser::cpu
