@@ -1,0 +1,1 @@
+"""Source templates: derived math (as data) in, TileLang program source text out."""
