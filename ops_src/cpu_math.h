@@ -4,6 +4,7 @@
 // the -inf/NaN guards the engine emits keep their meaning.
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -27,7 +28,19 @@ struct e4m3_t {
 
 // ld: an element as a compute value (float for floating tensors, int64_t for integer tensors)
 inline float ld(float v) { return v; }
-inline float ld(half_t v) { return half_to_float(v.bits); }
+// fp16 -> float without branches (so that loops over it vectorise), bit-exact for every value and without
+// any subnormal float arithmetic (which DAZ/FTZ, set by other code in the process, would flush): normals by
+// rebiasing the exponent, subnormals as mantissa * 2^-24 (exact, and a normal float), inf/NaN with exponent 255.
+inline float half_bits_to_float(uint16_t h) {
+  const uint32_t body = static_cast<uint32_t>(h & 0x7FFFu) << 13;
+  const uint32_t exp = h & 0x7C00u;
+  const uint32_t normal = body + (112u << 23);
+  const uint32_t special = body | 0x7F800000u;
+  const uint32_t sub = float_bits(static_cast<float>(h & 0x03FFu) * 5.9604644775390625e-8f);  // * 2^-24
+  const uint32_t mag = exp == 0x7C00u ? special : (exp == 0 ? sub : normal);
+  return bits_float(mag | (static_cast<uint32_t>(h & 0x8000u) << 16));
+}
+inline float ld(half_t v) { return half_bits_to_float(v.bits); }
 inline float ld(bf16_t v) { return bf16_to_float(v.bits); }
 inline int64_t ld(int32_t v) { return v; }
 inline int64_t ld(int64_t v) { return v; }
@@ -44,7 +57,13 @@ inline float e4m3_to_float(uint8_t b) {
   }
   return bits_float(sign | ((exp + 120u) << 23) | (man << 20));  // rebias 7 -> 127
 }
-inline float ld(e4m3_t v) { return e4m3_to_float(v.bits); }
+// all 256 e4m3 values, decoded once at load time (loads in kernels are a table lookup)
+inline const std::array<float, 256> kE4M3Table = [] {
+  std::array<float, 256> t{};
+  for (int b = 0; b < 256; ++b) t[b] = e4m3_to_float(static_cast<uint8_t>(b));
+  return t;
+}();
+inline float ld(e4m3_t v) { return kE4M3Table[v.bits]; }
 
 // round-to-nearest-even to e4m3fn with saturation to +-448 (NaN stays NaN)
 inline uint8_t float_to_e4m3(float f) {

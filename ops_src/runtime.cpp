@@ -289,6 +289,28 @@ std::pair<int, int> device_capability(std::string_view op, int32_t device_index)
 #endif
 }
 
+int32_t device_sm_count(std::string_view op, int32_t device_index) {
+#ifdef REDFUSER_WITH_CUDA
+  static std::mutex mu;
+  static std::vector<int32_t> cache;  // 0 = unknown
+  check(device_index >= 0, op, "invalid CUDA device index ", device_index);
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    if (static_cast<size_t>(device_index) < cache.size() && cache[device_index] > 0) return cache[device_index];
+  }
+  int n = 0;
+  cuda_check(op, cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device_index),
+             "cudaDeviceGetAttribute(MultiProcessorCount)");
+  std::lock_guard<std::mutex> lk(mu);
+  if (cache.size() <= static_cast<size_t>(device_index)) cache.resize(device_index + 1, 0);
+  cache[device_index] = n;
+  return n;
+#else
+  (void)device_index;
+  fail(op, "this build of redfuser-ops has no CUDA kernels (built with REDFUSER_ARCHS empty)");
+#endif
+}
+
 const char* select_family(std::string_view op, int32_t device_index,
                           const std::vector<std::string>& available) {
   const std::vector<std::string>& fams = available.empty() ? built_families() : available;

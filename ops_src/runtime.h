@@ -159,6 +159,9 @@ const std::vector<std::string>& built_families();
 // (dlopen RTLD_NOLOAD + dlsym), so that this library also loads on CPU-only torch.
 void* current_cuda_stream(std::string_view op, int32_t device_index);
 
+// Number of streaming multiprocessors of a device, cached per device (schedules size their grids by it).
+int32_t device_sm_count(std::string_view op, int32_t device_index);
+
 // (major, minor) compute capability of a device, cached per device.
 std::pair<int, int> device_capability(std::string_view op, int32_t device_index);
 

@@ -66,13 +66,14 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: 
 def selection_order(key: Tensor, candidates: Tensor | None = None) -> Tensor:
     """Indices of each row sorted by: candidates first, larger key first, NaN keys after all others, lower
     index first (the tie rule of moe_route)."""
-    k = torch.where(torch.isnan(key), torch.full_like(key, float("-inf")), key)
+    nan = torch.isnan(key)
+    k = torch.where(nan, torch.full_like(key, float("-inf")), key)
     order = torch.sort(k, dim=-1, descending=True, stable=True).indices
-    nan_rank = torch.gather(torch.isnan(key).to(torch.int8), -1, order)
-    order = torch.gather(order, -1, torch.sort(nan_rank, dim=-1, stable=True).indices)
+    rank = nan.to(torch.int8)
     if candidates is not None:
-        out_rank = torch.gather((~candidates).to(torch.int8), -1, order)
-        order = torch.gather(order, -1, torch.sort(out_rank, dim=-1, stable=True).indices)
+        rank = rank + 2 * (~candidates).to(torch.int8)
+    if bool(rank.any()):  # stable: keeps the key order inside each class
+        order = torch.gather(order, -1, torch.sort(torch.gather(rank, -1, order), dim=-1, stable=True).indices)
     return order
 
 

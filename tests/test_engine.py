@@ -130,6 +130,18 @@ def test_logsumexp_and_softmax_of_minus_inf_rows(analyses):
         assert np.all(out["out"][2, :2] == 0.0) and np.isclose(out["out"][2].sum(), 1.0)
 
 
+def test_very_negative_rows_do_not_overflow_the_correction(analyses):
+    """A row whose scores are all far below 0: the first correction from the empty prefix must not compute
+    exp(0 - m) (which overflows) and multiply the zero state by it."""
+    lse = analyses["logsumexp"].cases[0]
+    rng = random.Random(9)
+    prob = random_problem(lse.ir, rng, fixed={"T": 2, "E": 9})
+    prob.tensors["x"][1] = -1000.0 - np.arange(9)
+    for out in _runs(lse, prob, rng):
+        assert np.isfinite(out["out"]).all()
+        assert abs(out["out"][1] - (-1000.0 + np.log(np.exp(-np.arange(9.0)).sum()))) < 1e-9
+
+
 def test_all_zero_rows_quantize_to_exact_zero(analyses):
     case = analyses["fp8_quant_gemm"].case(bias="absent")
     rng = random.Random(8)
@@ -145,9 +157,11 @@ def test_attention_forms_are_derived(analyses):
 
     case = analyses["fused_attention"].case(causal=False)
     l_form, o_form = case.form("l"), case.form("o")
-    m_old, m_new = case.sym("m", "old_safe"), case.sym("m", "new_safe")
-    assert l_form.kind == "*" and sp.simplify(l_form.correction - sp.exp(m_old - m_new)) == 0
-    assert sp.simplify(o_form.correction - sp.exp(m_old - m_new)) == 0
+    m_old, m_new = case.sym("m", "old"), case.sym("m", "new_safe")
+    # exp(m_old - m_new) where the old max is finite; 1 (the state is still 0) where it is -inf
+    expected = sp.Piecewise((1, sp.Eq(m_old, sp.S.NegativeInfinity)), (sp.exp(m_old - m_new), True))
+    assert l_form.kind == "*" and l_form.correction == expected
+    assert o_form.correction == expected
     guard = case.guard("m")
     assert guard is not None and guard.points == ((sp.S.NegativeInfinity, 0),)
     lse = next(o for o in case.outputs if o.name == "lse")
@@ -162,9 +176,10 @@ def test_explain_prints_the_online_softmax():
 
     out = subprocess.run([sys.executable, "-m", "generator", "explain", str(ROOT / "specs" / "fused_attention.yaml")],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert "l_new = l_old * exp(m_old_safe - m_new_safe) + sum_{j in chunk} exp(s - m_new_safe)" in out
+    assert ("l_new = l_old * (1 if m_old == -inf else exp(m_old - m_new_safe)) + sum_{j in chunk} exp(s - m_new_safe)"
+            in out)
     assert "m_safe = (0 if m == -inf else m)" in out
-    assert "l = sum_p l_p * exp(m_p_safe - m_safe)" in out
+    assert "l = sum_p l_p * (1 if m_p == -inf else exp(m_p - m_safe))" in out
     assert "lse[b, h, i] = m + log(l)" in out
     assert "out[b, i, h, d] = (0 if l == 0 else o/l)" in out
 

@@ -415,6 +415,13 @@ def lower_to_cuda(
                         f'extern "C" TL_EXPORT int {symbol}_init() {{', "init()")
     src = _replace_once(src, 'extern "C" TL_EXPORT int call(',
                         f'extern "C" TL_EXPORT int {symbol}_call(', "call(")
+    # TileLang's launcher marks every launch with programmatic stream serialization (PDL), but the kernels
+    # never wait on the previous grid (no griddepcontrol.wait): a kernel could start reading its inputs
+    # before the kernel that writes them has finished. Launch with ordinary stream ordering instead.
+    n_pdl = src.count("config.numAttrs = 1;")
+    src = src.replace("config.numAttrs = 1;", "config.numAttrs = 0;  // redfuser: no PDL (kernels do not wait)")
+    if "programmaticStreamSerializationAllowed = 1" in src and n_pdl == 0 and "numAttrs = 0" not in src:
+        raise RuntimeError(f"{symbol}: TileLang's launcher sets PDL in an unknown way; refusing to emit it")
     renames = "".join(f"#define {s} {symbol}__{s}\n" for s in _DEBUG_H_SYMBOLS)
     tl_version = str(getattr(tilelang, "__version__", "unknown"))
     decl = ", ".join(f"{p.c_type} {p.name}" for p in params)

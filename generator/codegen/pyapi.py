@@ -132,7 +132,7 @@ def python_module(spec: OpSpec, an: OpAnalysis, version: str) -> str:
             L.append(f"    if {t.name} is not None:")
             ind = "        "
         L.append(f"{ind}torch._check({t.name}.dim() == {len(t.shape)}, lambda: "
-                 f"f\"{{op}}: {t.name} must be {len(t.shape)}-D ({', '.join(t.shape)}), got {{{t.name}.dim()}}-D\")")
+                 f"f\"{{op}}: {t.name} must be {len(t.shape)}-D ({', '.join(t.shape)}), got a {{{t.name}.dim()}}-D tensor\")")
         if t.name != first:
             L.append(f"{ind}torch._check({t.name}.device == {first}.device, lambda: "
                      f"f\"{{op}}: {t.name} is on {{{t.name}.device}} but {first} is on {{{first}.device}}\")")

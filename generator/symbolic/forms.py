@@ -158,16 +158,21 @@ class OpAnalysis:
 
 # --------------------------------------------------------------------------------------------- helpers
 def state_symbols(name: str, sym: sp.Symbol, regular: dict[str, bool]) -> dict[str, sp.Symbol]:
-    """The symbols of one state: its value (any), and old/new/safe/segment values (regular assumptions)."""
-    assumptions = dict(regular)
+    """The symbols of one state in each role. Values (cur, old, new, seg) take the state symbol's assumptions:
+    they can be degenerate (-inf, 0). Safe values are regular. old_r/new_r are the regular stand-ins used only
+    inside proofs (decomposition, distributivity, signs), where guards have excluded the degenerate values."""
+    value = {k: v for k, v in sym.assumptions0.items()
+             if k in ("real", "extended_real", "positive", "nonnegative", "extended_nonnegative")}
     return {
         "cur": sym,
-        "old": sp.Symbol(f"{name}_old", **assumptions),
-        "new": sp.Symbol(f"{name}_new", **assumptions),
-        "old_safe": sp.Symbol(f"{name}_old_safe", **assumptions),
-        "new_safe": sp.Symbol(f"{name}_new_safe", **assumptions),
-        "seg": sp.Symbol(f"{name}_p", **assumptions),
-        "safe": sp.Symbol(f"{name}_safe", **assumptions),
+        "old": sp.Symbol(f"{name}_old", **value),
+        "new": sp.Symbol(f"{name}_new", **value),
+        "seg": sp.Symbol(f"{name}_p", **value),
+        "old_safe": sp.Symbol(f"{name}_old_safe", **regular),
+        "new_safe": sp.Symbol(f"{name}_new_safe", **regular),
+        "safe": sp.Symbol(f"{name}_safe", **regular),
+        "old_r": sp.Symbol(f"{name}_old", **regular),
+        "new_r": sp.Symbol(f"{name}_new", **regular),
     }
 
 
@@ -340,13 +345,19 @@ class _Analyzer:
         for c in casts:
             self.approximations.add(f"{c} conversion treated as value-preserving in the proof (exact up to rounding)")
         deps = [self.ir.states[d] for d in online]
-        old = {self.ir.states[d]: self.syms[d]["old"] for d in online}
-        new = {self.ir.states[d]: self.syms[d]["new"] for d in online}
+        old = {self.ir.states[d]: self.syms[d]["old_r"] for d in online}
+        new = {self.ir.states[d]: self.syms[d]["new_r"] for d in online}
+        # proofs run on the regular stand-ins; the forms are stated on the value symbols
+        to_values = {self.syms[d][f"{r}_r"]: self.syms[d][r] for d in online for r in ("old", "new")}
         if MONOIDS[r.op].selection and any(r.body.has(self.ir.states[d]) for d in online):
             # mathematically a strictly increasing correction keeps the order, but a corrected key is rounded:
             # two equal keys, one corrected and one fresh, would be ordered by rounding, not by index
             return Refusal("exact order", f"the key {r.body} of a selection would be corrected as "
                            f"{', '.join(online)} change, and rounding would decide between equal keys")
+        if MONOIDS[r.op].selection and any(e.has(self.ir.states[d]) for _, e in r.carry for d in online):
+            # a selection's entries are kept as they were chosen: payloads are never corrected either
+            return Refusal("exact order", f"a payload of the selection would be corrected as {', '.join(online)} "
+                           "change; the selection's entries are kept exactly as chosen")
         where_deps = [d for d in online if isinstance(r.where, sp.Basic) and r.where.has(self.ir.states[d])]
         if where_deps:
             return Refusal("decomposable", f"the predicate {r.where} depends on {', '.join(where_deps)} of the same pass")
@@ -377,8 +388,10 @@ class _Analyzer:
         return ReductionForm(
             name=r.name, op=r.op, stage="stream", pass_no=0, body=r.body, where=r.where, k=r.k, free=r.free,
             online_deps=tuple(online), final_deps=tuple(d for d in r.deps if d not in online),
-            kind=dec.kind, correction=dec.correction, term=r.body.xreplace(new), G=dec.G, H=dec.H,
-            payloads=tuple(Payload(n, e, e.xreplace(new), pd.kind, pd.correction) for n, e, pd in payloads),
+            kind=dec.kind, correction=dec.correction.xreplace(to_values),
+            term=r.body.xreplace(new).xreplace(to_values), G=dec.G, H=dec.H,
+            payloads=tuple(Payload(n, e, e.xreplace(new).xreplace(to_values), pd.kind,
+                                   pd.correction.xreplace(to_values)) for n, e, pd in payloads),
             conditions=tuple(conditions), loc=r.loc,
         )
 
@@ -413,7 +426,7 @@ class _Analyzer:
         prefix whose elements all contribute the neutral element to r. None when proved; else why not."""
         ir = self.ir
         dep = ir.reduction(d)
-        regular = {ir.states[x]: self.syms[x]["new"] for x in dep.deps if x in ir.states}
+        regular = {ir.states[x]: self.syms[x]["new_r"] for x in dep.deps if x in ir.states}
         b = strip_casts(dep.body).xreplace(regular)
         if dep.op == "sum" and point == 0 and b.is_positive:
             return None  # a sum of positive terms is 0 only when no element counted
@@ -435,7 +448,7 @@ class _Analyzer:
             return f"cannot find the elements that make {d} = {point}"
         if MONOIDS[r.op].selection:
             return None  # candidates keep their order under any regular substitute; no neutral value needed
-        new = {ir.states[x]: self.syms[x]["new"] for x in r.deps if x in ir.states}
+        new = {ir.states[x]: self.syms[x]["new_r"] for x in r.deps if x in ir.states}
         term = strip_casts(r.body).xreplace(new)
         for s in sols:
             try:
@@ -444,7 +457,7 @@ class _Analyzer:
                 generic.update({ix: sp.Rational(41, 100) for ix in v.atoms(sp.Indexed)})
                 for x in r.deps:
                     if x in ir.states:
-                        new_x = self.syms[x]["new"]
+                        new_x = self.syms[x]["new_r"]
                         generic[new_x] = sp.Integer(1) if new_x.is_positive else sp.Integer(0)
                 value = sp.simplify(v.xreplace(generic))
             except (ValueError, TypeError, ZeroDivisionError):
@@ -458,26 +471,39 @@ class _Analyzer:
         """Move the online term and correction onto the guarded (safe) symbols of the states that need guards."""
         if f.stage != "stream":
             return f
-        guarded = {g.state for g in guards}
-        sub_new = {self.syms[d]["new"]: self.syms[d]["new_safe"] for d in f.online_deps if d in guarded}
-        sub_old = {self.syms[d]["old"]: self.syms[d]["old_safe"] for d in f.online_deps if d in guarded}
-        both = {**sub_new, **sub_old}
+        by_state = {g.state: g for g in guards}
+        sub_new = {self.syms[d]["new"]: self.syms[d]["new_safe"] for d in f.online_deps if d in by_state}
         # results of earlier passes are read through their guards too
         sub_final = {self.ir.states[d]: self.syms[d]["safe"] for d in f.final_deps
-                     if d in guarded and d in self.ir.states}
+                     if d in by_state and d in self.ir.states}
         sub_new = {**sub_new, **sub_final}
         return ReductionForm(
             **{
                 **f.__dict__,
                 "pass_no": self.pass_of[f.name],
                 "term": f.term.xreplace(sub_new),
-                "correction": f.correction.xreplace(both),
+                "correction": self._guard_correction(f.correction, f.kind, f.online_deps, by_state, sub_new),
                 "payloads": tuple(
-                    Payload(p.name, p.expr, p.term.xreplace(sub_new), p.kind, p.correction.xreplace(both))
-                    for p in f.payloads
+                    Payload(p.name, p.expr, p.term.xreplace(sub_new), p.kind, p.correction) for p in f.payloads
                 ),
             }
         )
+
+    def _guard_correction(self, c: sp.Expr, kind: str, deps: tuple[str, ...], by_state: dict[str, Guard],
+                          sub_new: dict) -> sp.Expr:
+        """c(D_old -> D_new) with guards. Where an old state is at a degenerate value the prefix contributed only
+        neutral elements (proved when the guard was derived), so the state is neutral and the identity correction
+        is exact; it also avoids overflow (exp(0 - m_new) for a very negative m_new times a zero state).
+        Elsewhere the old state is regular (equal to its safe value) and the new one is read through its guard."""
+        if kind == "none":
+            return c
+        regular = c.xreplace(sub_new)
+        degenerate = [sp.Eq(self.syms[d]["old"], point) for d in deps if d in by_state
+                      for point, _ in by_state[d].points]
+        if not degenerate:
+            return regular
+        identity = sp.Integer(1) if kind == "*" else sp.Integer(0)
+        return sp.Piecewise((identity, sp.Or(*degenerate)), (regular, True))
 
     def _passes(self, forms: tuple[ReductionForm, ...]) -> tuple[PassInfo, ...]:
         n = max([f.pass_no for f in forms] + [1])

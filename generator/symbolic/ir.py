@@ -380,7 +380,9 @@ class _Builder:
             extents=self.extents,
             rows=c.rows,
             over=c.over,
-            lets=tuple(self.lets[n] for n in self.let_text if n in self.lets and n in needed),
+            # live lets; state lets are inlined where they are used, and kept here by name for the kernel bridges
+            lets=tuple(self.lets[n] for n in self.let_text
+                       if n in self.lets and (n in needed or self.lets[n].kind == "state")),
             mask=mask,
             reductions=tuple(r for r in self.reductions if r.name in needed),
             states={k: v for k, v in self.states.items() if k in needed},

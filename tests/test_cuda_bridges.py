@@ -1,0 +1,146 @@
+"""The bridges from the engine's forms to the kernel templates (generator/codegen/cuda.py), checked on the CPU.
+
+- fused_attention: the AttentionMath rendered from the engine's forms runs through the template's own numpy
+  simulation of the emitted schedule (tiles, masks, guards, split-KV merge) against the float64 reference;
+- moe_route: the step program derived from the spec is the one the resident_row template's CPU simulation runs
+  in tests/test_resident_row_template.py (program "moe_route_engine"); here its structure is checked;
+- the split heuristic's C++ (generated into the launcher) agrees with the template's Python;
+- a cascade of another shape is refused by a bridge with a reason.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from generator.codegen.cuda import BridgeError, attention_math, row_program
+from generator.codegen.templates import resident_row as rr
+from generator.codegen.templates import stream_attention as sa
+from generator.spec import load_spec, parse_spec
+from generator.symbolic import derive
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _attention_reference(q, k, v, causal, scale):
+    """float64 attention (bottom-right causal; rows that see no key: out 0, lse -inf), numpy only."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    _, Sq, H, _ = q.shape
+    Sk, Hk = k.shape[1], k.shape[2]
+    kr, vr = np.repeat(k, H // Hk, axis=2), np.repeat(v, H // Hk, axis=2)
+    s = np.einsum("bqhd,bkhd->bhqk", q, kr) * scale
+    if causal:
+        s = np.where(np.arange(Sk)[None, :] <= np.arange(Sq)[:, None] + Sk - Sq, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
+    l_ = p.sum(-1, keepdims=True)
+    o = np.einsum("bhqk,bkhd->bqhd", np.where(l_ > 0, p / np.where(l_ > 0, l_, 1), 0), vr)
+    with np.errstate(divide="ignore"):
+        return o, (m + np.log(l_))[..., 0]
+
+
+@pytest.fixture(scope="module")
+def attention():
+    op = derive(load_spec(ROOT / "specs" / "fused_attention.yaml"))
+    return {causal: attention_math(a) for a in op.cases for causal in [dict(a.ir.specialization)["causal"]]}
+
+
+def test_attention_math_is_the_engines(attention):
+    math, causal = attention[True]
+    assert causal
+    names = [s.name for s in math.states]
+    assert names == ["m", "l"]
+    l_state = math.states[1]
+    # the correction and P come out of the engine: exp(m_old - m_safe), guarded for an empty prefix
+    assert "T.exp((m_old - m_safe))" in l_state.correction and "m_old == -T.infinity" in l_state.correction
+    assert l_state.term == math.weight == "T.exp((s - m_safe))"
+    assert math.acc_correction == l_state.correction
+    assert math.out.startswith("T.if_then_else((l == T.float32(0.0))")
+    assert math.merge.acc_term.startswith("(o_seg * ")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("Sq, Sk, H, Hk", [(37, 5, 4, 2), (70, 300, 2, 1), (1, 1, 2, 2), (128, 129, 3, 3)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_engine_math_through_the_template_schedule(attention, causal, Sq, Sk, H, Hk, splits):
+    math, _ = attention[causal]
+    rng = np.random.default_rng(Sq * 31 + Sk)
+    q = rng.standard_normal((2, Sq, H, 64)).astype(np.float32)
+    k = rng.standard_normal((2, Sk, Hk, 64)).astype(np.float32)
+    v = rng.standard_normal((2, Sk, Hk, 64)).astype(np.float32)
+    q[0, 0] *= -300.0  # a row whose scores are all far below zero: the first correction must not overflow
+    o, lse = sa.simulate(math, q, k, v, causal, {"softmax_scale": 0.125}, num_splits=splits)
+    ro, rl = _attention_reference(q, k, v, causal, 0.125)
+    assert np.isfinite(o).all()
+    assert np.abs(o - ro).max() < 2e-5
+    finite = np.isfinite(rl)
+    assert np.array_equal(np.isfinite(lse), finite) and np.array_equal(lse[~finite], rl[~finite])
+    assert np.abs(lse[finite] - rl[finite]).max() < 1e-3
+
+
+def test_every_attention_variant_emits(attention):
+    for causal, (math, _) in attention.items():
+        for fam in sa.FAMILIES:
+            for dt in sa.DTYPES:
+                for d in sa.HEAD_DIMS:
+                    for split in (False, True):
+                        cfg = sa.default_config(fam, dt, d, causal, split)
+                        compile(sa.emit_attention_program(math, cfg), cfg.variant_name(), "exec")
+                        if split:
+                            compile(sa.emit_combine_program(math, cfg), cfg.combine_variant_name(), "exec")
+
+
+def test_moe_route_program_structure():
+    spec = load_spec(ROOT / "specs" / "moe_route.yaml")
+    prog = row_program(spec, derive(spec))
+    rr.check_program(prog)
+    flat = []
+
+    def walk(steps):
+        for s in steps:
+            if isinstance(s, rr.If):
+                flat.append(("If", s.cond))
+                walk(s.then)
+                walk(s.orelse)
+            else:
+                flat.append((type(s).__name__, getattr(s, "name", getattr(s, "ids", getattr(s, "output", "")))))
+
+    walk(prog.steps)
+    kinds = [k for k, _ in flat]
+    # one top-k over the experts shared by every mode; group reductions and selection for n_group > 1
+    assert kinds.count("TopK") == 1 and ("If", "n_group > 1") in flat
+    assert ("If", "scoring == 1") in flat and ("If", "has_bias == 0") in flat and ("If", "renormalize == 0") in flat
+    assert [p.name for p in prog.params] == ["scoring", "renormalize", "has_bias", "n_group", "topk_group",
+                                             "routed_scaling_factor"]
+
+
+def test_bridge_refuses_other_shapes():
+    text = (ROOT / "tests" / "specs" / "softmax_topk_renorm.yaml").read_text()
+    op = derive(parse_spec(text, "softmax_topk_renorm.yaml"))
+    with pytest.raises(BridgeError, match="stream_attention runs one streaming pass"):
+        attention_math(op.cases[0])
+    op = derive(load_spec(ROOT / "tests" / "specs" / "logsumexp.yaml"))
+    with pytest.raises(BridgeError, match="needs exactly one weighted sum carried over a free index"):
+        attention_math(op.cases[0])
+
+
+def test_split_heuristic_cpp_matches_python(tmp_path):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    assert cxx, "a C++ compiler is needed (it builds the library too)"
+    rng = random.Random(0)
+    cases = [(rng.choice([1, 2, 4, 16]), rng.choice([1, 8, 32, 64]), rng.choice([1, 2, 7, 128, 1000, 8192]),
+              rng.choice([1, 64, 512, 4096, 65536, 131072]), rng.choice([64, 128]), rng.choice([32, 64, 128]),
+              rng.choice([78, 108, 132])) for _ in range(400)]
+    src = tmp_path / "t.cpp"
+    src.write_text("#include <cstdint>\n#include <cstdio>\n" + sa.NUM_SPLITS_CPP + "int main() {\n" + "".join(
+        f"  std::printf(\"%d\\n\", choose_num_splits({', '.join(map(str, c))}));\n" for c in cases) + "}\n")
+    subprocess.run([cxx, "-O1", str(src), "-o", str(tmp_path / "t")], check=True)
+    got = subprocess.run([str(tmp_path / "t")], capture_output=True, text=True, check=True).stdout.split()
+    want = [sa.choose_num_splits(*c) for c in cases]
+    assert [int(x) for x in got] == want
+    assert any(w > 1 for w in want) and any(w == 1 for w in want)
