@@ -349,9 +349,14 @@ def attention_body(spec: OpSpec, plan: Plan, lowered: dict[str, dict]) -> list[s
         "    for (int d = 0; d < 3; ++d) if (t.stride(d) % 8 != 0 || t.stride(d) < 0 || t.stride(d) >= (int64_t(1) << 31)) return false;",
         "    return true;",
         "  };",
-        f"  const Tensor qq = fits({q}) ? {q} : torch::stable::contiguous({q});",
-        f"  const Tensor kk = fits({k}) ? {k} : torch::stable::contiguous({k});",
-        f"  const Tensor vv = fits({v}) ? {v} : torch::stable::contiguous({v});",
+        "  auto dense_copy = [&](const Tensor& t) {  // a fresh (aligned, contiguous) copy",
+        "    Tensor out = torch::stable::new_empty(t, t.sizes());",
+        "    torch::stable::copy_(out, t);",
+        "    return out;",
+        "  };",
+        f"  const Tensor qq = fits({q}) ? {q} : dense_copy({q});",
+        f"  const Tensor kk = fits({k}) ? {k} : dense_copy({k});",
+        f"  const Tensor vv = fits({v}) ? {v} : dense_copy({v});",
         "  for (int64_t s : {A.sz_B, A.sz_Sq, A.sz_Sk, A.sz_H, A.sz_Hk})",
         "    check(s < (int64_t(1) << 31), kOp, \"sizes must fit in int32\");",
         "  const int32_t sms = redfuser::device_sm_count(kOp, ctx.device());",
@@ -695,13 +700,18 @@ def row_body(spec: OpSpec, plan: Plan, lowered: dict[str, dict]) -> list[str]:
         "do {",
         f"  if ({names[ir_rows]} == 0) break;  // nothing to compute",
         f"  const ScalarType dt = {first}.scalar_type();",
-        f"  check({first}.stride(1) == 1, kOp, \"{first} must have a contiguous last dimension on CUDA\");",
         "  bool launched = false;",
+        "  // the kernel reads dense rows: other layouts are copied to a contiguous tensor first",
     ]
     t_args = {}
     for t in spec.tensors:
-        t_args[t.name] = f"(A.has_{t.name} ? const_cast<void*>(A.t_{t.name}) : nullptr)" if t.optional \
-            else f"const_cast<void*>(A.t_{t.name})"
+        # aten::contiguous returns the tensor itself when it is already dense
+        if t.optional:
+            L.append(f"  const Tensor {t.name}_c = A.has_{t.name} ? torch::stable::contiguous(*{t.name}) : {first};")
+            t_args[t.name] = f"(A.has_{t.name} ? const_cast<void*>({t.name}_c.const_data_ptr()) : nullptr)"
+        else:
+            L.append(f"  const Tensor {t.name}_c = torch::stable::contiguous({t.name});")
+            t_args[t.name] = f"const_cast<void*>({t.name}_c.const_data_ptr())"
     for o in spec.outputs:
         t_args[o.name] = f"c.{o.name}.mutable_data_ptr()"
     args = {**t_args, **{k: v for k, v in names.items()}, ir_k: f"A.p_{ir_k}"}
