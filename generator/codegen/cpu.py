@@ -43,35 +43,49 @@ class TypeParam:
     dtypes: tuple[str, ...]
 
 
+FLOATS = ("float32", "float16", "bfloat16")
+
+
+def float_inputs(spec: OpSpec) -> list[str]:
+    """Floating-point tensor arguments: the glue hands them to the CPU kernels as float32 (a half-precision input
+    is converted once, so the kernels' inner loops load plain floats and vectorise)."""
+    out = []
+    for t in spec.tensors:
+        dts = spec.arg(t.same_as).dtypes if t.same_as else t.dtypes
+        if dts and set(dts) <= set(FLOATS):
+            out.append(t.name)
+    return out
+
+
 def type_params(spec: OpSpec) -> tuple[dict[str, str], list[TypeParam]]:
     """C++ element type (a literal type or a template parameter name) of every tensor argument and output."""
     types: dict[str, str] = {}
     params: list[TypeParam] = []
+    floats = float_inputs(spec)
     for t in spec.tensors:
-        if t.same_as:
+        if t.name in floats:
+            types[t.name] = "float"
+        elif t.same_as:
             types[t.name] = types[t.same_as]
         elif len(t.dtypes) == 1:
             types[t.name] = CPP_TYPES[t.dtypes[0]]
         else:
-            dts = tuple(d for d in t.dtypes if d in CPP_TYPES)
-            if t is spec.tensors[0]:
-                dts = tuple(d for d in spec.variants.cpu_dtypes if d in CPP_TYPES)
             types[t.name] = f"T_{t.name}"
-            params.append(TypeParam(f"T_{t.name}", f"dt_{t.name}", dts))
-    first = spec.tensors[0].name
+            params.append(TypeParam(f"T_{t.name}", f"dt_{t.name}", tuple(d for d in t.dtypes if d in CPP_TYPES)))
     for o in spec.outputs:
         key = f"out:{o.name}"
         if o.dtype in CPP_TYPES:
             types[key] = CPP_TYPES[o.dtype]
-        elif o.dtype in types:
-            types[key] = types[o.dtype]
-        elif " or " in o.dtype:  # "<ScalarType arg> or <tensor>": any float type, chosen at run time
-            dts = tuple(d for d in ("float32", "float16", "bfloat16"))
+        elif o.dtype in types or " or " in o.dtype:  # follows an input's dtype (or a ScalarType argument)
+            src = o.dtype.split(" or ")[-1].strip()
+            base = spec.arg(src)
+            dts = (spec.arg(base.same_as).dtypes if base.same_as else base.dtypes) if " or " not in o.dtype else FLOATS
+            if src == spec.tensors[0].name and " or " not in o.dtype:
+                dts = spec.variants.cpu_dtypes
             types[key] = f"T_out_{o.name}"
-            params.append(TypeParam(f"T_out_{o.name}", f"odt_{o.name}", dts))
+            params.append(TypeParam(f"T_out_{o.name}", f"odt_{o.name}", tuple(d for d in dts if d in CPP_TYPES)))
         else:
             raise ValueError(f"{spec.name}: output dtype '{o.dtype}' is not understood")
-    del first
     return types, params
 
 

@@ -16,6 +16,7 @@ from ..spec import OpSpec, ScalarArg, TensorArg
 from ..symbolic.expr import ExprParser, Scope
 from ..symbolic.forms import OpAnalysis
 from .cpp import CppPrinter
+from .cpu import float_inputs
 
 SCALAR_TYPES = {
     "float32": "ScalarType::Float",
@@ -270,6 +271,7 @@ def glue_source(spec: OpSpec, an: OpAnalysis, header_name: str, cuda: CudaGlue |
         "#include <optional>",
         "#include <string>",
         "#include <tuple>",
+        "#include <vector>",
         "",
         "#include <torch/csrc/stable/library.h>",
         "#include <torch/csrc/stable/ops.h>",
@@ -304,6 +306,9 @@ def glue_source(spec: OpSpec, an: OpAnalysis, header_name: str, cuda: CudaGlue |
         "",
         f"{return_type(spec)} impl_cpu({sig}) {{",
         f"  Call c = prepare({names}, DeviceKind::CPU);",
+        "  // floating inputs reach the CPU kernels as float32: half-precision ones are converted once here",
+        "  std::vector<Tensor> keep;",
+        *[line for name in float_inputs(spec) for line in _as_float(spec, name)],
         "  run_cpu(c.A);",
         f"  {ret}",
         "}",
@@ -337,6 +342,22 @@ def glue_source(spec: OpSpec, an: OpAnalysis, header_name: str, cuda: CudaGlue |
         "",
     ]
     return "\n".join(L)
+
+
+def _as_float(spec: OpSpec, name: str) -> list[str]:
+    arg = spec.arg(name)
+    cond = f"c.A.has_{name} && " if arg.optional else ""
+    ref = f"(*{name})" if arg.optional else name
+    return [
+        f"  if ({cond}c.A.dt_{name} != ScalarType::Float) {{",
+        f"    Tensor f = torch::stable::new_empty({ref}, {ref}.sizes(), ScalarType::Float);",
+        f"    torch::stable::copy_(f, {ref});",
+        f"    c.A.t_{name} = f.const_data_ptr();",
+        f"    for (int d = 0; d < {len(arg.shape)}; ++d) c.A.st_{name}[d] = f.stride(d);",
+        f"    c.A.dt_{name} = ScalarType::Float;",
+        "    keep.push_back(f);",
+        "  }",
+    ]
 
 
 @dataclass(frozen=True)
