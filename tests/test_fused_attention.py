@@ -116,7 +116,7 @@ def test_torch_compile_fullgraph():
     [
         (lambda: (torch.randn(1, 4, 2, 64).double(),) * 3, "q must be float32, float16 or bfloat16, got float64"),
         (lambda: (torch.randn(1, 4, 2, 64), torch.randn(1, 4, 2, 64).half(), torch.randn(1, 4, 2, 64)),
-         "k must have q's dtype float32, got float16"),
+         "k must have the dtype of q (float32), got float16"),
         (lambda: (torch.randn(4, 2, 64),) * 3, "q must be 4-D (B, Sq, H, D), got a 3-D tensor"),
         (lambda: (torch.randn(1, 4, 3, 64), torch.randn(1, 4, 2, 64), torch.randn(1, 4, 2, 64)),
          "the query heads H must be a multiple of the key/value heads Hk (H = 3, Hk = 2)"),

@@ -20,6 +20,13 @@ from ..symbolic.forms import Analysis, OpAnalysis, ReductionForm, element_atoms
 from .cpp import CppPrinter, float_literal
 
 CHUNK = 64
+# one copy of each kernel per x86-64 level, chosen at load time (glibc ifunc): AVX-512 / AVX2+FMA / baseline,
+# so that one wheel runs everywhere and the inner loops use the widest vectors the CPU has
+TARGET_CLONES = (
+    '#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)\n'
+    '__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))\n'
+    '#endif\n'
+)
 CPP_TYPES = {
     "float32": "float",
     "float16": "rf::half_t",
@@ -104,6 +111,7 @@ class _Kernel:
         self.hoisted: dict[sp.Basic, str] = {}  # row-invariant contraction factors -> row buffers
         self.local: dict[sp.Basic, str] = {}  # temporaries (cse, contractions)
         self.pr = CppPrinter(self.resolve)
+        self.floats = set(float_inputs(spec))
         for f in a.reductions:
             for d in f.online_deps:
                 dep = a.form(d)
@@ -178,7 +186,10 @@ class _Kernel:
     def tensor_read(self, name: str, indices: tuple) -> str:
         if (name, tuple(indices)) in self.hoisted:
             return self.hoisted[(name, tuple(indices))]
-        off = " + ".join(f"({self.pr(i)}) * st_{name}[{d}]" for d, i in enumerate(indices))
+        last = len(indices) - 1
+        unit = name in self.floats  # the glue gives float inputs a unit last-dimension stride
+        off = " + ".join(f"({self.pr(i)})" if (unit and d == last) else f"({self.pr(i)}) * st_{name}[{d}]"
+                         for d, i in enumerate(indices))
         return f"rf::ld(t_{name}[{off}])"
 
     def free_offset(self, f: ReductionForm) -> str:
@@ -221,7 +232,7 @@ class _Kernel:
         self.end()
         body = "\n".join(self.lines)
         label = ir.label
-        return (f"// specialisation {label}\n{head}static void {name}(const Args& A, int64_t row_begin, "
+        return (f"// specialisation {label}\n{head}{TARGET_CLONES}static void {name}(const Args& A, int64_t row_begin, "
                 f"int64_t row_end) {{\n{body}\n}}\n")
 
     def preamble(self) -> None:

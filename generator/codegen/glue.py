@@ -306,7 +306,8 @@ def glue_source(spec: OpSpec, an: OpAnalysis, header_name: str, cuda: CudaGlue |
         "",
         f"{return_type(spec)} impl_cpu({sig}) {{",
         f"  Call c = prepare({names}, DeviceKind::CPU);",
-        "  // floating inputs reach the CPU kernels as float32: half-precision ones are converted once here",
+        "  // floating inputs reach the CPU kernels as float32 with a unit last-dimension stride (so that the",
+        "  // kernels' inner loops vectorise): other ones are converted (copied) once here",
         "  std::vector<Tensor> keep;",
         *[line for name in float_inputs(spec) for line in _as_float(spec, name)],
         "  run_cpu(c.A);",
@@ -348,8 +349,9 @@ def _as_float(spec: OpSpec, name: str) -> list[str]:
     arg = spec.arg(name)
     cond = f"c.A.has_{name} && " if arg.optional else ""
     ref = f"(*{name})" if arg.optional else name
+    last = len(arg.shape) - 1
     return [
-        f"  if ({cond}c.A.dt_{name} != ScalarType::Float) {{",
+        f"  if ({cond}(c.A.dt_{name} != ScalarType::Float || ({ref}.size({last}) > 1 && c.A.st_{name}[{last}] != 1))) {{",
         f"    Tensor f = torch::stable::new_empty({ref}, {ref}.sizes(), ScalarType::Float);",
         f"    torch::stable::copy_(f, {ref});",
         f"    c.A.t_{name} = f.const_data_ptr();",

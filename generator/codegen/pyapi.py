@@ -138,7 +138,7 @@ def python_module(spec: OpSpec, an: OpAnalysis, version: str) -> str:
                      f"f\"{{op}}: {t.name} is on {{{t.name}.device}} but {first} is on {{{first}.device}}\")")
         if t.same_as:
             L.append(f"{ind}torch._check({t.name}.dtype == {t.same_as}.dtype, lambda: "
-                     f"f\"{{op}}: {t.name} must have {t.same_as}'s dtype {{{t.same_as}.dtype}}, got {{{t.name}.dtype}}\")")
+                     f"f\"{{op}}: {t.name} must have the dtype of {t.same_as} ({{{t.same_as}.dtype}}), got {{{t.name}.dtype}}\")")
         elif t.name == first:
             L.append(f"{ind}allowed = ({cuda_dt},) if {first}.device.type == 'cuda' else ({cpu_dt},)")
             L.append(f"{ind}torch._check({t.name}.dtype in allowed, lambda: "
