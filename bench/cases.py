@@ -1,0 +1,337 @@
+"""Benchmark cases: for each op, the shapes, the implementations timed (the op and its peers), the bytes and
+flops of a case, and the correctness check on a small slice against redfuser_ops.reference.
+
+Sizes (see docs/benchmarks.md):
+- fused_attention prefill: Sq = Sk = S, batch = max(1, TOKENS // S) and heads = HIDDEN // D so that every S does
+  about the same number of tokens (the convention of flash-attention's benchmarks); causal and not; bf16/fp16
+  (CUDA) or fp32/bf16 (CPU); D 64 and 128. flops = 4 * B * H * D * (visible query-key pairs), which is
+  4*B*H*Sq*Sk*D, about halved for causal. bytes = q + k + v + out + lse, each once.
+- fused_attention decode: Sq = 1, long Sk, GQA; the shapes that take the split-KV path.
+- moe_route: the router configurations of DeepSeek-V2-Lite (64 experts), DeepSeek-V2 (160, 8 groups keep 3),
+  a plain 256-expert softmax router, and DeepSeek-V3 (256, sigmoid + bias, 8 groups keep 4, top 8,
+  renormalised, x2.5); T tokens. bytes = logits + bias + weights + ids; flops counted as E * (5 + topk) per
+  token (scoring, then one compare per element per selection round): a rough count, the op is bound by
+  memory and latency.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import peers
+
+DT_SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@dataclass
+class Impl:
+    name: str
+    fn: Callable[..., Any]
+    context: Callable[[], Any] | None = None  # entered around the calls (e.g. an SDPA backend)
+
+
+@dataclass
+class Case:
+    op: str
+    group: str  # table the case goes to: "prefill", "decode", "route"
+    name: str
+    params: dict[str, Any]
+    dtype: torch.dtype
+    flops: float
+    bytes: float
+    input_bytes: int  # one input set (buffer rotation)
+    make_inputs: Callable[[torch.Generator, str], tuple]
+    impls: list[Impl]
+    check: Callable[[str, Any, tuple], dict[str, Any]]
+    priority: int = 0
+    extra_inputs: Callable[[str], tuple] | None = field(default=None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# fused_attention
+# ----------------------------------------------------------------------------------------------------------
+
+def visible_pairs(Sq: int, Sk: int, causal: bool) -> int:
+    """Number of (query, key) pairs a bottom-right causal (or full) mask leaves visible."""
+    if not causal:
+        return Sq * Sk
+    off = Sk - Sq  # query i sees keys j <= i + off
+    total = 0
+    # rows with i + off + 1 in [1, Sk]: closed form over the ranges
+    lo = max(0, -off)  # first row that sees a key
+    full_from = max(lo, Sk - off - 1)  # rows from here on see all Sk keys
+    full_from = min(full_from, Sq)
+    if full_from > lo:
+        a, b = lo + off + 1, full_from - 1 + off + 1
+        total += (a + b) * (full_from - lo) // 2
+    total += (Sq - full_from) * Sk
+    return total
+
+
+def _attention_check(Sq: int, Sk: int, H: int, Hk: int, causal: bool) -> Callable[[str, Any, tuple], dict]:
+    """Checks the last rows of batch 0 for one key/value head and its query heads, by ACCEPTANCE.md's rule:
+    max|out - ref| <= 2 * max|plain - ref| + 1e-5, with ref in float64 (float32 for half inputs) and plain the
+    attention written with torch ops in the inputs' dtype; lse within 1e-3 where finite."""
+    from redfuser_ops import reference
+
+    rows = min(Sq, 128)
+    g = H // Hk
+    cache: dict[str, Any] = {}
+
+    def check(impl: str, result: Any, inputs: tuple) -> dict[str, Any]:
+        q, k, v = inputs[:3]
+        out, lse = (result[0], result[1]) if isinstance(result, (tuple, list)) else (result, None)
+        qs, ks, vs = q[:1, Sq - rows:, :g], k[:1, :, :1], v[:1, :, :1]
+        ref_dtype = torch.float64 if q.dtype == torch.float32 else torch.float32
+        if not cache:
+            r_out, r_lse = reference.fused_attention(qs, ks, vs, causal, None, dtype=ref_dtype)
+            p_out, _ = reference.fused_attention(qs, ks, vs, causal, None, dtype=q.dtype)
+            cache.update(r_out=r_out, r_lse=r_lse.float(),
+                         plain_err=_maxerr(p_out.to(ref_dtype), r_out))
+        o = out[:1, Sq - rows:, :g].to(ref_dtype)
+        err = _maxerr(o, cache["r_out"])
+        bound = 2 * cache["plain_err"] + 1e-5
+        res: dict[str, Any] = {"max_err": err, "bound": bound, "plain_err": cache["plain_err"],
+                               "slice": f"b0, rows {Sq - rows}..{Sq - 1}, heads 0..{g - 1}"}
+        ok = err <= bound
+        if lse is not None:
+            got = lse[:1, :g, Sq - rows:].float()
+            want = cache["r_lse"]
+            fin = torch.isfinite(want)
+            same_inf = bool(torch.equal(torch.isfinite(got), fin)) and bool(torch.equal(got[~fin], want[~fin]))
+            lse_err = _maxerr(got[fin], want[fin]) if bool(fin.any()) else 0.0
+            res["lse_err"] = lse_err
+            ok = ok and same_inf and lse_err <= 1e-3
+        res["ok"] = bool(ok)
+        return res
+
+    return check
+
+
+def _maxerr(a: Tensor, b: Tensor) -> float:
+    if a.numel() == 0:
+        return 0.0
+    d = (a - b).abs()
+    if not bool(torch.isfinite(d).all()):
+        return math.inf
+    return float(d.max())
+
+
+def attention_case(B: int, Sq: int, Sk: int, H: int, Hk: int, D: int, dtype: torch.dtype, causal: bool,
+                   device: str, group: str, peer_names: list[str], priority: int) -> Case:
+    esize = torch.tensor([], dtype=dtype).element_size()
+    pairs = visible_pairs(Sq, Sk, causal)
+    flops = 4.0 * B * H * D * pairs
+    nbytes = float(B * (2 * Sq * H * D + 2 * Sk * Hk * D) * esize + B * H * Sq * 4)
+    input_bytes = B * (Sq * H + 2 * Sk * Hk) * D * esize
+    g = H // Hk
+    scale = D**-0.5
+    kind = "causal" if causal else "full"
+    name = (f"{DT_SHORT[dtype]} d{D} S{Sq} {kind} B{B} H{H}" if group == "prefill"
+            else f"{DT_SHORT[dtype]} d{D} Sq{Sq} Sk{Sk} B{B} H{H}/{Hk} {kind}")
+    params = {"B": B, "Sq": Sq, "Sk": Sk, "H": H, "Hk": Hk, "D": D, "dtype": DT_SHORT[dtype], "causal": causal}
+
+    def make_inputs(gen: torch.Generator, dev: str) -> tuple:
+        q = torch.randn(B, Sq, H, D, generator=gen, device=dev, dtype=dtype)
+        k = torch.randn(B, Sk, Hk, D, generator=gen, device=dev, dtype=dtype)
+        v = torch.randn(B, Sk, Hk, D, generator=gen, device=dev, dtype=dtype)
+        return q, k, v
+
+    mask_holder: dict[str, Tensor | None] = {}
+
+    def mask() -> Tensor | None:
+        if "m" not in mask_holder:
+            mask_holder["m"] = peers.causal_mask(Sq, Sk, device) if causal else None
+        return mask_holder["m"]
+
+    impls = [Impl("redfuser", lambda q, k, v: torch.ops.redfuser.fused_attention(q, k, v, causal, None))]
+    sdpa_ok = not causal or Sq == Sk  # SDPA's is_causal is top-left aligned
+    for peer in peer_names:
+        if peer.startswith("sdpa_"):
+            if not sdpa_ok:
+                continue
+            backend = peer.removeprefix("sdpa_")
+            impls.append(Impl(peer, peers.sdpa_attention(causal, g),
+                              peers.sdpa_context(None if backend == "default" else backend)))
+        elif peer == "eager":
+            impls.append(Impl(peer, lambda q, k, v: peers.plain_attention(q, k, v, mask(), scale, g)))
+        elif peer == "compile":
+            impls.append(Impl(peer, lambda q, k, v: peers.compiled_plain_attention(scale, g, causal)(q, k, v, mask())))
+    return Case("fused_attention", group, name, params, dtype, flops, nbytes, input_bytes, make_inputs, impls,
+                _attention_check(Sq, Sk, H, Hk, causal), priority)
+
+
+ATTN_PEERS = {"cuda": ["sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math", "eager", "compile"],
+              "cpu": ["sdpa_default", "sdpa_math", "eager", "compile"]}
+
+
+def attention_cases(device: str, size: str) -> list[Case]:
+    """size: 'full', 'quick' or 'tiny'. Priority: bf16 (fp32 on CPU) d128 first, then decode, then the rest."""
+    if device == "cuda":
+        dtypes = [torch.bfloat16, torch.float16]
+        tokens, hidden = 16384, 2048
+        lengths = {"full": [512, 1024, 2048, 4096, 8192, 16384], "quick": [1024, 4096, 16384],
+                   "tiny": [512]}[size]
+        decode = [(1, 32, 8, 16384), (8, 32, 8, 8192), (64, 32, 8, 2048), (1, 32, 8, 131072)]
+    else:
+        dtypes = [torch.float32, torch.bfloat16]
+        tokens, hidden = 2048, 256
+        lengths = {"full": [256, 512, 1024, 2048], "quick": [256, 1024, 2048], "tiny": [64, 128]}[size]
+        decode = [(1, 8, 2, 8192), (4, 8, 8, 2048)]
+    heads = [128, 64] if size != "tiny" else [64]
+    if size == "tiny":
+        dtypes = dtypes[:1]
+        decode = [(2, 4, 2, 1000)] if device == "cpu" else decode[:1]
+    elif size == "quick":
+        decode = decode[:3]
+    peer_names = ATTN_PEERS[device]
+    cases = []
+    for di, dtype in enumerate(dtypes):
+        for hi, D in enumerate(heads):
+            prio = 0 if (di, hi) == (0, 0) else 10 + 2 * di + hi
+            for S in lengths:
+                for causal in (False, True):
+                    cases.append(attention_case(max(1, tokens // S), S, S, max(1, hidden // D), max(1, hidden // D),
+                                                D, dtype, causal, device, "prefill", peer_names, prio))
+    for B, H, Hk, Sk in decode:
+        cases.append(attention_case(B, 1, Sk, H, Hk, 128 if size != "tiny" else 64, dtypes[0], False, device,
+                                    "decode", peer_names, 1))
+    return cases
+
+
+# ----------------------------------------------------------------------------------------------------------
+# moe_route
+# ----------------------------------------------------------------------------------------------------------
+
+ROUTERS = {
+    # name: (E, topk, scoring, renormalize, bias, n_group, topk_group, routed_scaling_factor)
+    "e64-top6-softmax": (64, 6, "softmax", False, False, 1, 1, 1.0),
+    "e160-top6-softmax-g8k3": (160, 6, "softmax", False, False, 8, 3, 1.0),
+    "e256-top8-softmax-renorm": (256, 8, "softmax", True, False, 1, 1, 1.0),
+    "dsv3-e256-top8-sigmoid-bias-g8k4": (256, 8, "sigmoid", True, True, 8, 4, 2.5),
+}
+
+
+def _route_check(router: tuple, T: int) -> Callable[[str, Any, tuple], dict]:
+    """On the first rows: the ids must equal the float64 reference's, or else be a selection the reference's rule
+    allows when ties are broken otherwise (torch.topk breaks ties its own way, and bf16 logits tie often): every
+    chosen expert's group among the best topk_group groups, no unchosen expert of a group that must be kept
+    above a chosen one, keys in descending order (all to a relative 1e-6). The weights must match the reference
+    scores of the ids chosen (renormalised and scaled) to 1e-5 (fp32 logits) or 2e-2 (fp16/bf16)."""
+    E, topk, scoring, renorm, _, ng, tg, scale = router
+    rows = min(T, 512)
+    size = E // ng
+
+    def check(impl: str, result: Any, inputs: tuple) -> dict[str, Any]:
+        from redfuser_ops import reference
+
+        logits, bias = inputs
+        w, ids = result
+        lg = logits[:rows].cpu()  # the check runs on the CPU: its row loop reads single elements
+        bias = bias.cpu() if bias is not None else None
+        w, ids = w[:rows].cpu(), ids[:rows].cpu()
+        _, rids, key, gscore = reference.moe_route(lg, topk, scoring, renorm, bias, ng, tg, scale, return_keys=True)
+        x = lg.double()
+        scores = torch.softmax(x, dim=-1) if scoring == "softmax" else torch.sigmoid(x)
+        got = ids.long()
+        in_range = bool(((got >= 0) & (got < E)).all())
+        if not in_range:
+            return {"ids_bad_rows": rows, "ids_tie_rows": 0, "rows": rows, "max_err": math.inf, "bound": 0.0,
+                    "ok": False, "why": "ids outside [0, E)"}
+        same = (got == rids).all(dim=1)
+        tie_rows = bad_rows = 0
+        for r in torch.nonzero(~same).flatten().tolist():
+            if _valid_selection(got[r], key[r], gscore[r], size, tg):
+                tie_rows += 1
+            else:
+                bad_rows += 1
+        s = torch.gather(scores, 1, got)
+        if renorm:
+            tot = s.sum(-1, keepdim=True)
+            s = s / torch.where(tot == 0, torch.ones_like(tot), tot)
+        s = s * scale
+        tol = 1e-5 if logits.dtype == torch.float32 else 2e-2
+        werr = _maxerr(w.double(), s)
+        return {"ids_bad_rows": bad_rows, "ids_tie_rows": tie_rows, "rows": rows, "max_err": werr, "bound": tol,
+                "ok": bool(bad_rows == 0 and werr <= tol)}
+
+    return check
+
+
+def _valid_selection(chosen: Tensor, key: Tensor, gscore: Tensor, size: int, topk_group: int,
+                     rel: float = 1e-6) -> bool:
+    """Whether `chosen` (expert ids in order) is the grouped top-k of `key` under some way of breaking ties."""
+    if len(set(chosen.tolist())) != chosen.numel():
+        return False
+
+    def tol(v: float) -> float:
+        return rel * max(abs(v), 1e-30)
+
+    k = key[chosen]
+    if bool((k[1:] > k[:-1] + rel * k[:-1].abs().clamp_min(1e-30)).any()):
+        return False  # not in descending order of key
+    groups = set((chosen // size).tolist())
+    if len(groups) > topk_group:
+        return False
+    ng = gscore.numel()
+    thresh = float(torch.sort(gscore, descending=True).values[topk_group - 1])
+    if any(float(gscore[g]) < thresh - tol(thresh) for g in groups):
+        return False  # a chosen expert's group is not among the best
+    must_keep = groups | {g for g in range(ng) if float(gscore[g]) > thresh + tol(thresh)}
+    lowest = float(k.min())
+    chosen_set = set(chosen.tolist())
+    for g in must_keep:
+        for e in range(g * size, (g + 1) * size):
+            if e not in chosen_set and float(key[e]) > lowest + tol(lowest):
+                return False  # an unchosen candidate beats a chosen one
+    return True
+
+
+def route_case(router_name: str, T: int, dtype: torch.dtype, device: str, peer_names: list[str],
+               priority: int) -> Case:
+    router = ROUTERS[router_name]
+    E, topk, scoring, renorm, has_bias, ng, tg, scale = router
+    esize = torch.tensor([], dtype=dtype).element_size()
+    nbytes = float(T * E * esize + (E * 4 if has_bias else 0) + T * topk * 8)
+    flops = float(T * E * (5 + topk))
+    params = {"T": T, "E": E, "topk": topk, "scoring": scoring, "renormalize": renorm, "bias": has_bias,
+              "n_group": ng, "topk_group": tg, "routed_scaling_factor": scale, "dtype": DT_SHORT[dtype],
+              "router": router_name}
+    bias_holder: dict[str, Tensor | None] = {}
+
+    def make_inputs(gen: torch.Generator, dev: str) -> tuple:
+        if "b" not in bias_holder:
+            bias_holder["b"] = (torch.randn(E, generator=gen, device=dev) * 0.1 if has_bias else None)
+        logits = (torch.randn(T, E, generator=gen, device=dev) * 2).to(dtype)
+        return logits, bias_holder["b"]
+
+    impls = [Impl("redfuser", lambda lg, b: torch.ops.redfuser.moe_route(lg, topk, scoring, renorm, b, ng, tg, scale))]
+    for peer in peer_names:
+        if peer == "eager":
+            impls.append(Impl(peer, lambda lg, b: peers.torch_route(lg, b, topk, scoring, renorm, ng, tg, scale)))
+        elif peer == "compile":
+            impls.append(Impl(peer, lambda lg, b: peers.compiled_torch_route(topk, scoring, renorm, ng, tg, scale)(lg, b)))
+    return Case("moe_route", "route", f"{router_name} T{T} {DT_SHORT[dtype]}", params, dtype, flops, nbytes,
+                T * E * esize, make_inputs, impls, _route_check(router, T), priority)
+
+
+def route_cases(device: str, size: str) -> list[Case]:
+    tokens = {"cuda": {"full": [1, 64, 1024, 16384], "quick": [1, 64, 1024, 16384], "tiny": [1, 64]},
+              "cpu": {"full": [1, 64, 1024, 4096], "quick": [1, 64, 1024], "tiny": [1, 64]}}[device][size]
+    routers = list(ROUTERS) if size != "tiny" else ["e64-top6-softmax", "dsv3-e256-top8-sigmoid-bias-g8k4"]
+    peer_names = ["eager", "compile"]
+    cases = []
+    for r in routers:
+        prio = 2 if r.startswith("dsv3") else 3
+        for T in tokens:
+            cases.append(route_case(r, T, torch.bfloat16, device, peer_names, prio))
+    return cases
+
+
+OPS = {"fused_attention": attention_cases, "moe_route": route_cases}

@@ -1,0 +1,65 @@
+"""A few small CUDA calls of each op, checked against the reference on the CPU: the program that
+bench/gpu_run.sh runs under `compute-sanitizer --tool memcheck` (with PYTORCH_NO_CUDA_MEMORY_CACHING=1, so that
+every tensor is its own allocation and an access past its end is caught). `python -m bench.gpu_checks`.
+Exit status 0 when every result is right, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def main() -> int:
+    import redfuser_ops  # noqa: F401 - loads the library
+    from redfuser_ops import reference as ref
+
+    if not torch.cuda.is_available():
+        print("gpu_checks: no CUDA device")
+        return 1
+    gen = torch.Generator().manual_seed(0)
+    failures = []
+    # (B, Sq, Sk, H, Hk, D, causal, dtype): a causal tail with empty rows, odd lengths, decode with split-KV
+    for B, Sq, Sk, H, Hk, D, causal, dtype in [
+        (1, 37, 5, 2, 1, 64, True, torch.bfloat16),
+        (2, 67, 131, 4, 2, 128, True, torch.float16),
+        (1, 1, 5000, 4, 1, 128, False, torch.bfloat16),
+        (1, 129, 129, 2, 2, 256, False, torch.bfloat16),
+    ]:
+        q = torch.randn(B, Sq, H, D, generator=gen).to(dtype)
+        k = torch.randn(B, Sk, Hk, D, generator=gen).to(dtype)
+        v = torch.randn(B, Sk, Hk, D, generator=gen).to(dtype)
+        out, lse = torch.ops.redfuser.fused_attention(q.cuda(), k.cuda(), v.cuda(), causal, None)
+        torch.cuda.synchronize()
+        r_out, r_lse = ref.fused_attention(q, k, v, causal, None, dtype=torch.float32)
+        p_out, _ = ref.fused_attention(q, k, v, causal, None, dtype=dtype)
+        err = (out.cpu().float() - r_out).abs().max().item()
+        bound = 2 * (p_out.float() - r_out).abs().max().item() + 1e-5
+        fin = torch.isfinite(r_lse)
+        lse_ok = torch.equal(torch.isfinite(lse.cpu()), fin) and (
+            not fin.any() or (lse.cpu()[fin] - r_lse[fin]).abs().max().item() <= 1e-3)
+        ok = err <= bound and lse_ok
+        name = f"fused_attention B{B} Sq{Sq} Sk{Sk} H{H}/{Hk} D{D} {'causal' if causal else 'full'} {dtype}"
+        print(f"{name}: err {err:.2e} <= {bound:.2e}, lse {'ok' if lse_ok else 'WRONG'}: {'ok' if ok else 'WRONG'}")
+        if not ok:
+            failures.append(name)
+    for T, E, topk, scoring, bias, ng, tg in [(5, 256, 8, "sigmoid", True, 8, 4), (3, 160, 6, "softmax", False, 8, 3),
+                                              (1, 64, 6, "softmax", False, 1, 1)]:
+        logits = (torch.round(torch.randn(T, E, generator=gen) * 128) / 64).to(torch.bfloat16)
+        b = torch.round(torch.randn(E, generator=gen) * 64) / 64 if bias else None
+        w, ids = torch.ops.redfuser.moe_route(logits.cuda(), topk, scoring, True, None if b is None else b.cuda(),
+                                              ng, tg, 1.0)
+        torch.cuda.synchronize()
+        rw, rids = ref.moe_route(logits, topk, scoring, True, b, ng, tg, 1.0)
+        ok = torch.equal(ids.cpu().long(), rids) and (w.cpu().double() - rw).abs().max().item() <= 2e-2
+        name = f"moe_route T{T} E{E} top{topk} {scoring} groups {ng}/{tg}"
+        print(f"{name}: {'ok' if ok else 'WRONG'}")
+        if not ok:
+            failures.append(name)
+    print(f"gpu_checks: {len(failures)} wrong" + (": " + "; ".join(failures) if failures else ""))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

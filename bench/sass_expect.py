@@ -1,0 +1,68 @@
+"""What the machine code of each kind of kernel must show: the table tests/test_sass.py checks the INSTALLED
+library against (docs/benchmarks.md explains it).
+
+A variant is matched by its name (fnmatch patterns, first match wins, so the specific patterns come first).
+Every CUDA variant of a family listed in CHECKED_FAMILIES must match a rule; a new kind of kernel needs a
+row here before the test passes.
+
+Columns of a rule:
+- require: SASS opcodes (the part before the first '.') that must occur at least once in the variant's code,
+  e.g. HGMMA (Hopper warpgroup MMA, fp16/bf16), QGMMA (the same for fp8), UTMALDG (a TMA tile load).
+- forbid: opcodes that must not occur.
+Whatever the rule, FORBID_ALWAYS[family] applies too: LDL/STL are loads/stores of thread-local memory, i.e.
+register spills (or arrays the compiler could not keep in registers), and the per-kernel LOCAL size must be 0.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+# arch families and the SASS archs each holds (as in CMakeLists.txt)
+FAMILY_ARCHS = {"sm80": ("sm_80", "sm_86", "sm_89"), "sm90a": ("sm_90a",), "sm100a": ("sm_100a",)}
+
+# families whose variants are checked against RULES (the others only get a resource table)
+CHECKED_FAMILIES = ("sm90a",)
+
+# opcodes forbidden in every variant of a family, and whether LOCAL (bytes of local memory) must be 0
+FORBID_ALWAYS = {"sm90a": ("LDL", "STL")}
+NO_LOCAL_MEMORY = ("sm90a",)
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: str
+    kind: str
+    require: tuple[str, ...] = ()
+    forbid: tuple[str, ...] = ()
+    why: str = ""
+
+
+RULES: tuple[Rule, ...] = (
+    # the merge kernels of split-KV: read partial (o, lse) rows, no GEMM, no tiles by TMA
+    Rule("fused_attention_combine__*__sm90a", "merge", why="merge of split-KV partial states: plain loads, no GEMM"),
+    Rule("mla_decode_combine__*__sm90a", "merge", why="merge of split-KV partial states: plain loads, no GEMM"),
+    # attention forward, with or without split-KV: QK^T and PV on warpgroup MMA, Q/K/V tiles by TMA
+    Rule("fused_attention__*__sm90a", "attention", require=("HGMMA", "UTMALDG"),
+         why="QK^T and PV on WGMMA; Q, K, V tiles by TMA"),
+    Rule("mla_decode__*__sm90a", "attention", require=("HGMMA", "UTMALDG"),
+         why="paged latent attention: WGMMA, KV pages by TMA"),
+    # fp8 GEMM with online per-token quantisation: fp8 warpgroup MMA, w tiles by TMA
+    Rule("fp8_quant_gemm__*__sm90a", "fp8 gemm", require=("QGMMA", "UTMALDG"),
+         why="e4m3 x e4m3 on fp8 WGMMA; tiles by TMA"),
+    # the router: one warp per row in registers, warp shuffles; no GEMM, no TMA
+    Rule("moe_route__*__sm90a", "router", forbid=("HGMMA", "QGMMA"),
+         why="a row per warp in registers; no matrix work"),
+)
+
+
+def rule_for(variant: str) -> Rule | None:
+    for rule in RULES:
+        if fnmatch.fnmatchcase(variant, rule.pattern):
+            return rule
+    return None
+
+
+def family_of(variant: str) -> str:
+    """Variant names end in __<family> (generator convention)."""
+    return variant.rsplit("__", 1)[-1]
