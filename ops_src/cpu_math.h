@@ -179,6 +179,9 @@ inline bool sel_better(float ka, int64_t ia, float kb, int64_t ib) {
 // Position at which (key, index) enters the k sorted entries (filled: ok[]), or k if it does not.
 inline int64_t sel_position(const float* keys, const int64_t* idx, const uint8_t* ok, int64_t k, float key,
                             int64_t index) {
+  // the common case first: the selection is full and this element does not beat its last entry (NaN keys,
+  // which compare false, take the general path)
+  if (k > 0 && ok[k - 1] && (key < keys[k - 1] || (key == keys[k - 1] && index > idx[k - 1]))) return k;
   int64_t pos = k;
   while (pos > 0 && (!ok[pos - 1] || sel_better(key, index, keys[pos - 1], idx[pos - 1]))) --pos;
   return pos;

@@ -15,7 +15,7 @@ import sympy as sp
 
 from ..spec import OpSpec, ScalarArg, TensorArg
 from ..symbolic.algebra import MONOIDS
-from ..symbolic.expr import entrysum, is_bool, isin
+from ..symbolic.expr import entrysum, idiv, is_bool, isin
 from ..symbolic.forms import Analysis, OpAnalysis, ReductionForm, element_atoms
 from .cpp import CppPrinter, float_literal
 
@@ -112,6 +112,8 @@ class _Kernel:
         self.local: dict[sp.Basic, str] = {}  # temporaries (cse, contractions)
         self.pr = CppPrinter(self.resolve)
         self.floats = set(float_inputs(spec))
+        self.tabled = self.row_invariant_lets()
+        self.key_arrays = {f.name for f in a.reductions if f.stage == "stream" and self.precomputed_key(f)}
         for f in a.reductions:
             for d in f.online_deps:
                 dep = a.form(d)
@@ -279,7 +281,57 @@ class _Kernel:
             self.emit(f"{ty} el_{let.name}[{CHUNK}];")
         self.emit(f"uint8_t el_ok[{CHUNK}];   // mask holds")
         self.emit(f"uint8_t el_cnt[{CHUNK}];  // counted by non-selection reductions (mask, not the mask value)")
+        for f in self.a.reductions:
+            if f.name in self.key_arrays:
+                self.emit(f"float elk_{f.name}[{CHUNK}];  // selection keys of a chunk, computed branch-free")
         self.hoist_buffers()
+        self.let_tables()
+
+    def row_invariant_lets(self) -> set[str]:
+        """Element lets that depend on the reduction index and on sizes and scalar arguments only (the expert group
+        of e, e // (E / n_group)): the same for every row, so they are computed once per call into a table instead
+        of once per row and pass (an integer division per element and pass otherwise). Without a mask every
+        element's value is needed anyway; under a mask only division-free expressions are tabled, since a masked
+        element's value is never computed in the row loop (unless the mask itself reads it)."""
+        ir = self.ir
+        allowed = {ir.indices[ir.over], *ir.axes.values(), *ir.scalars.values()}
+        mask_read = self.mask_lets()
+        out = set()
+        for let in ir.element_lets:
+            e = let.expr
+            if not isinstance(e, sp.Expr) or e.atoms(sp.Indexed) or e.atoms(sp.Sum):
+                continue
+            if not e.free_symbols <= allowed or ir.indices[ir.over] not in e.free_symbols:
+                continue
+            if (ir.mask not in (sp.true, True) and let.name not in mask_read
+                    and e.atoms(idiv, sp.Mod, sp.floor, sp.ceiling)):
+                continue
+            out.add(let.name)
+        return out
+
+    def let_tables(self) -> None:
+        ir = self.ir
+        for let in self.sorted_element_lets():
+            if let.name not in self.tabled:
+                continue
+            ty = "int64_t" if let.symbol.is_integer else "float"
+            self.emit(f"std::vector<{ty}> tab_{let.name}(ex_{ir.over});  // row-invariant element let")
+            self.emit(f"for (int64_t ix_{ir.over} = 0; ix_{ir.over} < ex_{ir.over}; ++ix_{ir.over}) "
+                      f"tab_{let.name}[ix_{ir.over}] = {self.pr.val(let.expr, let.symbol)};")
+
+    def precomputed_key(self, f: ReductionForm) -> bool:
+        """A selection whose key does not depend on its free indices or on integer values gets its chunk's keys
+        in a branch-free (vectorisable) loop before the insertions; the insertion then reads them. A masked
+        element's key is computed from its mask value and never inserted."""
+        if not f.selection or f.term is None or isinstance(f.term, sp.Symbol):  # a symbol: already an element value
+            return False
+        free_syms = {self.ir.indices[n] for n in f.free}
+        if f.term.free_symbols & free_syms:
+            return False
+        if any(getattr(s, "is_integer", False) for s in f.term.free_symbols):
+            return False
+        # tensor reads of masked elements are only known to be in bounds without a mask
+        return not f.term.atoms(sp.Indexed) or self.ir.mask in (sp.true, True)
 
     def hoist_buffers(self) -> None:
         """Row-invariant factors of contractions (the q row of q . k) are converted once per row."""
@@ -397,13 +449,19 @@ class _Kernel:
             self.emit(f"float st_{f.name} = {neutral};")
 
     def element_prologue(self, forms: list[ReductionForm]) -> None:
-        """Per chunk: the mask, the element lets (only where the mask holds) and the counted flags."""
+        """Per chunk: the element lets the mask reads (for every element), the mask, the other element lets (only
+        where the mask holds) and the counted flags."""
         ir, a = self.ir, self.a
         self.block("for (int64_t jj = 0; jj < cn; ++jj)")
         self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
+        lets = self.sorted_element_lets()
+        first = self.mask_lets()
+        for let in lets:
+            if let.name in first:
+                self.emit_let(let)
+        lets = [let for let in lets if let.name not in first]
         self.emit(f"const bool ok = {self.pr(ir.mask)};")
         self.emit("el_ok[jj] = ok;")
-        lets = self.sorted_element_lets()
         for let in lets:
             fill = a.mask_value.get(let.symbol)
             fv = float_literal(float(fill)) if fill is not None else ("0" if let.symbol.is_integer else "0.0f")
@@ -418,6 +476,19 @@ class _Kernel:
             counted += f" && !({self.pr(atom)} == {float_literal(float(value))})"
         self.emit(f"el_cnt[jj] = {counted};  // && short-circuits: masked elements are not read")
         self.end()
+
+    def mask_lets(self) -> set[str]:
+        """Element lets the mask reads, directly or through other lets."""
+        ir = self.ir
+        by_symbol = {let.symbol: let for let in ir.element_lets}
+        todo = list(ir.mask.free_symbols) if isinstance(ir.mask, sp.Basic) else []
+        out: set[str] = set()
+        while todo:
+            let = by_symbol.get(todo.pop())
+            if let is not None and let.name not in out:
+                out.add(let.name)
+                todo += list(let.expr.free_symbols) if isinstance(let.expr, sp.Basic) else []
+        return out
 
     def sorted_element_lets(self) -> list:
         ir = self.ir
@@ -435,6 +506,9 @@ class _Kernel:
         return done
 
     def emit_let(self, let) -> None:
+        if let.name in self.tabled:
+            self.emit(f"el_{let.name}[jj] = tab_{let.name}[ix_{self.ir.over}];")
+            return
         expr = let.expr
         for s in sorted(expr.atoms(sp.Sum), key=str):
             name = self.fresh("dot")
@@ -493,6 +567,14 @@ class _Kernel:
                 self.emit(f"st_{f.name} = {self.fold(f.op, f'st_{f.name}', accs[f.name])};")
             self.local = {}
             return
+        keyed = [f for f in forms if f.name in self.key_arrays]
+        if keyed:
+            self.block("for (int64_t jj = 0; jj < cn; ++jj)")
+            self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
+            self.emit(f"(void)ix_{ir.over};")
+            for f in keyed:
+                self.emit(f"elk_{f.name}[jj] = {self.pr.flt(f.term)};")
+            self.end()
         self.block("for (int64_t jj = 0; jj < cn; ++jj)")
         self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
         self.emit(f"(void)ix_{ir.over};")
@@ -569,7 +651,8 @@ class _Kernel:
         if where not in (sp.true, True):
             self.emit(f"if (!({self.pr(where)})) {'continue' if n_loops else 'break'};")
         off = self.free_offset(f)
-        self.emit(f"const float key = {self.pr.flt(f.term)};")
+        pre = f.name in self.key_arrays
+        self.emit(f"const float key = {f'elk_{f.name}[jj]' if pre else self.pr.flt(f.term)};")
         self.emit(f"float* kk = st_{f.name}_key + {off};")
         self.emit(f"int64_t* ii = st_{f.name}_idx + {off};")
         self.emit(f"uint8_t* oo = st_{f.name}_ok + {off};")
@@ -580,7 +663,8 @@ class _Kernel:
         self.emit(f"kk[pos] = key; ii[pos] = ix_{self.ir.over}; oo[pos] = 1;")
         for p in f.payloads:
             arr = f"st_{f.name}_pl_{p.name} + {off}"
-            self.emit(f"{{ float* pp = {arr}; rf::sel_shift(pp, pos, K_{f.name}); pp[pos] = {self.pr.flt(p.term)}; }}")
+            value = "key" if p.term == f.term else self.pr.flt(p.term)
+            self.emit(f"{{ float* pp = {arr}; rf::sel_shift(pp, pos, K_{f.name}); pp[pos] = {value}; }}")
         self.end()
         for _ in range(n_loops):
             self.end()

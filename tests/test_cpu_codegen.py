@@ -1,0 +1,62 @@
+"""The CPU emitter's loop structure: what is computed once per call, per chunk and per element.
+
+Correctness of the generated kernels is judged by the op tests through torch.ops; these tests pin the two
+structural rules that keep per-element work out of the row loop, so that a change which silently puts an integer
+division back into every element of every pass shows up here.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from generator.codegen.cpu import cpu_source
+from generator.spec import load_spec, parse_spec
+from generator.symbolic import derive
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _row_loop_bodies(src: str) -> list[str]:
+    """The text of each kernel from its row loop on (what runs per row)."""
+    return [part.split("for (int64_t row = row_begin;", 1)[1] for part in src.split("static void rows_case")[1:]]
+
+
+def test_moe_route_group_of_expert_is_tabled_once_per_call():
+    src = cpu_source(derive(load_spec(ROOT / "specs" / "moe_route.yaml")), "moe_route_cpu.h")
+    assert "tab_group[ix_e] = rf::idiv(ix_e, rf::idiv(sz_E, p_n_group));" in src
+    for body in _row_loop_bodies(src):
+        assert "rf::idiv(ix_e" not in body  # no integer division per element inside the row loop
+        assert "el_group[jj] = tab_group[ix_e];" in body
+
+
+def test_selection_keys_computed_in_a_branch_free_loop():
+    src = cpu_source(derive(load_spec(ROOT / "specs" / "moe_route.yaml")), "moe_route_cpu.h")
+    case0 = _row_loop_bodies(src)[0]  # softmax, no bias: the key is an expression of the element
+    assert re.search(r"elk_sel\[jj\] = \(rf::exp\(", case0)
+    assert "const float key = elk_sel[jj];" in case0
+    assert "pp[pos] = key;" in case0  # the score payload is the key itself: not recomputed
+
+
+def _masked_spec_source() -> str:
+    """causal_attention with two integer element lets: jb (a division) enters the score, jm (a modulo) the mask."""
+    text = (ROOT / "tests" / "specs" / "causal_attention.yaml").read_text()
+    text = text.replace('    s: "sum(q[b, i, c] * k[b, j, c], c) / sqrt(D)"',
+                        '    jb: "j // 2"\n    jm: "j % 3"\n    s: "sum(q[b, i, c] * k[b, j, c], c) / sqrt(D) + jb"')
+    text = text.replace('mask: "j <= i and j < lens[b]"', 'mask: "j <= i and j < lens[b] and jm >= 0"')
+    assert "jb" in text and "jm >= 0" in text
+    return cpu_source(derive(parse_spec(text, "masked_div.yaml")), "masked_div_cpu.h")
+
+
+def test_division_under_a_mask_is_not_tabled():
+    src = _masked_spec_source()
+    row = _row_loop_bodies(src)[0]
+    assert "tab_jb" not in src  # a division is evaluated only where the mask holds...
+    assert re.search(r"if \(ok\) \{[^}]*el_jb\[jj\] = rf::idiv\(ix_j, int64_t\(2\)\);", row)
+    assert "tab_jm[ix_j] = rf::imod(ix_j, int64_t(3));" in src  # ...unless the mask reads it: then for every element
+
+
+def test_lets_read_by_the_mask_are_computed_before_it():
+    row = _row_loop_bodies(_masked_spec_source())[0]
+    assert row.index("el_jm[jj] = tab_jm[ix_j];") < row.index("const bool ok = ")
+    assert row.index("const bool ok = ") < row.index("el_jb[jj] = rf::idiv(")
