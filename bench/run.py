@@ -148,8 +148,14 @@ def _versions() -> dict[str, Any]:
     try:
         import subprocess
 
-        v["git"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                  text=True, timeout=10, check=False).stdout.strip() or None
+        def git(*args: str) -> str:
+            return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10,
+                                  check=False).stdout.strip()
+
+        v["git"] = git("rev-parse", "--short", "HEAD") or None
+        # sources changed since that commit (results folders aside): the numbers are not that commit's
+        if v["git"] and git("status", "--porcelain", "--", ".", ":(exclude)bench/results"):
+            v["git"] += "+uncommitted changes"
     except Exception:  # noqa: BLE001
         v["git"] = None
     return v
