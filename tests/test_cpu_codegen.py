@@ -60,3 +60,25 @@ def test_lets_read_by_the_mask_are_computed_before_it():
     row = _row_loop_bodies(_masked_spec_source())[0]
     assert row.index("el_jm[jj] = tab_jm[ix_j];") < row.index("const bool ok = ")
     assert row.index("const bool ok = ") < row.index("el_jb[jj] = rf::idiv(")
+
+
+def test_attention_contraction_and_weighted_sum_are_blocked():
+    src = cpu_source(derive(load_spec(ROOT / "specs" / "fused_attention.yaml")), "fused_attention_cpu.h")
+    for body in _row_loop_bodies(src):
+        # q . k: four keys per pass over c where the mask holds for all four, the others one at a time
+        assert "if (el_ok[jb + 0] && el_ok[jb + 1] && el_ok[jb + 2] && el_ok[jb + 3])" in body
+        assert re.search(r"d3 \+= \(rf::ld\(t_k\[.*\(ix_j_3\) \* st_k\[1\]", body)
+        assert "if (!el_ok[jj]) continue;" in body
+        # the score reads the blocked dot; no second dot product per key
+        assert re.search(r"el_s\[jj\] = \(p_softmax_scale \* dots\d+\[jj\]\);", body)
+        assert not re.search(r"float dot\d+ = 0.0f;", body)
+        # o[d] += p_j v[j, d]: p for the chunk in one loop, four keys per pass over d
+        assert re.search(r"elw\d+\[jj\] = rf::exp\(", body)
+        assert re.search(r"st_o\[ix_d\] = st_o\[ix_d\] \+ w\d+ \* rf::ld\(t_v\[.*ix_j_0.*\+ w\d+ \* rf::ld\(t_v\[.*ix_j_3", body)
+
+
+def test_masked_spec_keeps_per_element_order():
+    """The blocked contraction is computed after the lets it reads and before the lets that read it."""
+    row = _row_loop_bodies(_masked_spec_source())[0]
+    use = re.search(r"el_s\[jj\] = .*dots\d+\[jj\]", row)
+    assert use and row.index("const bool ok = ") < row.index("d0 += ") < use.start()

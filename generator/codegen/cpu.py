@@ -20,6 +20,7 @@ from ..symbolic.forms import Analysis, OpAnalysis, ReductionForm, element_atoms
 from .cpp import CppPrinter, float_literal
 
 CHUNK = 64
+UNROLL = 4  # elements of a chunk that share one pass over a contraction axis or a free axis
 # one copy of each kernel per x86-64 level, chosen at load time (glibc ifunc): AVX-512 / AVX2+FMA / baseline,
 # so that one wheel runs everywhere and the inner loops use the widest vectors the CPU has
 TARGET_CLONES = (
@@ -127,7 +128,7 @@ class _Kernel:
         self.lines.append(("  " * self.ind + line) if line else "")
 
     def block(self, head: str) -> None:
-        self.emit(head + " {")
+        self.emit(f"{head} {{" if head else "{")
         self.ind += 1
 
     def end(self, tail: str = "}") -> None:
@@ -450,31 +451,133 @@ class _Kernel:
 
     def element_prologue(self, forms: list[ReductionForm]) -> None:
         """Per chunk: the element lets the mask reads (for every element), the mask, the other element lets (only
-        where the mask holds) and the counted flags."""
+        where the mask holds) and the counted flags. Contractions (the q . k of attention) are computed for UNROLL
+        elements at a time where the mask holds for all of them (one pass over the contraction axis feeds UNROLL
+        accumulators, so the row-invariant factor is loaded once for all); the lets that read them follow."""
         ir, a = self.ir, self.a
-        self.block("for (int64_t jj = 0; jj < cn; ++jj)")
-        self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
         lets = self.sorted_element_lets()
         first = self.mask_lets()
+        rest = [x for x in lets if x.name not in first]
+        late = self.contraction_lets(rest) or set()
+        self.block("for (int64_t jj = 0; jj < cn; ++jj)")
+        self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
         for let in lets:
             if let.name in first:
                 self.emit_let(let)
-        lets = [let for let in lets if let.name not in first]
         self.emit(f"const bool ok = {self.pr(ir.mask)};")
         self.emit("el_ok[jj] = ok;")
-        for let in lets:
+        for let in rest:
             fill = a.mask_value.get(let.symbol)
             fv = float_literal(float(fill)) if fill is not None else ("0" if let.symbol.is_integer else "0.0f")
             self.emit(f"el_{let.name}[jj] = {fv};")
-        if lets:
+        early = [x for x in rest if x.name not in late]
+        if early:
             self.block("if (ok)")
-            for let in lets:
+            for let in early:
                 self.emit_let(let)
+            self.end()
+        if late:
+            self.end()
+            sums = sorted({s for x in rest if x.name in late for s in x.expr.atoms(sp.Sum)}, key=str)
+            bufs = {s: self.blocked_contraction(s) for s in sums}
+            self.block("for (int64_t jj = 0; jj < cn; ++jj)")
+            self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
+            self.emit(f"(void)ix_{ir.over};")
+            self.emit("const bool ok = el_ok[jj];")
+            self.block("if (ok)")
+            saved = dict(self.local)
+            self.local.update({s: f"{buf}[jj]" for s, buf in bufs.items()})
+            for let in rest:
+                if let.name in late:
+                    self.emit_let(let)
+            self.local = saved
             self.end()
         counted = "ok"
         for atom, value in a.mask_value.items():
             counted += f" && !({self.pr(atom)} == {float_literal(float(value))})"
         self.emit(f"el_cnt[jj] = {counted};  // && short-circuits: masked elements are not read")
+        self.end()
+
+    def contraction_lets(self, lets: list) -> set[str] | None:
+        """The lets holding a contraction or reading one (through other lets), when every contraction's summand
+        reads only indices, tensors, row values and lets outside that set (so it can be computed for several
+        elements at once after them); None when there is nothing to block or it cannot be."""
+        ir = self.ir
+        if not any(isinstance(x.expr, sp.Basic) and x.expr.atoms(sp.Sum) for x in lets):
+            return None
+        late: set[str] = set()
+        changed = True
+        while changed:
+            changed = False
+            for x in lets:
+                if x.name in late or not isinstance(x.expr, sp.Basic):
+                    continue
+                syms = x.expr.free_symbols
+                if x.expr.atoms(sp.Sum) or any(y.symbol in syms for y in lets if y.name in late):
+                    late.add(x.name)
+                    changed = True
+        late_syms = {x.symbol for x in lets if x.name in late}
+        for x in lets:
+            if x.name not in late:
+                continue
+            for s in x.expr.atoms(sp.Sum):
+                if len(s.limits) != 1 or s.function.atoms(sp.Sum) or s.function.free_symbols & late_syms:
+                    return None
+                if x.name in self.tabled or ir.indices[ir.over] not in s.function.free_symbols:
+                    return None
+        return late
+
+    def element_overrides(self, u: int, base: str) -> dict:
+        """Names of the reduction index and of the element lets for element `base + u` of a chunk."""
+        ir = self.ir
+        out = {ir.indices[ir.over]: f"ix_{ir.over}_{u}"}
+        for let in ir.element_lets:
+            out[let.symbol] = f"el_{let.name}[{base} + {u}]"
+        return out
+
+    def blocked_contraction(self, s: sp.Sum) -> str:
+        """sum over c of the summand, for every element of the chunk where the mask holds, UNROLL at a time."""
+        ir = self.ir
+        c = s.limits[0][0]
+        buf = self.fresh("dots")
+        self.emit(f"float {buf}[{CHUNK}];  // {s}")
+        scalar_body = f"{self.pr.flt(s.function)}"
+        saved = dict(self.local)
+        parts = []
+        for u in range(UNROLL):
+            self.local.update(self.element_overrides(u, "jb"))
+            parts.append(self.pr.flt(s.function))
+            self.local = dict(saved)
+        self.block("")
+        self.emit("int64_t jb = 0;")
+        self.block(f"for (; jb + {UNROLL} <= cn; jb += {UNROLL})")
+        self.block(f"if ({' && '.join(f'el_ok[jb + {u}]' for u in range(UNROLL))})")
+        for u in range(UNROLL):
+            self.emit(f"const int64_t ix_{ir.over}_{u} = c0 + jb + {u};")
+        self.emit(f"float {', '.join(f'd{u} = 0.0f' for u in range(UNROLL))};")
+        self.block(f"for (int64_t ix_{c.name} = 0; ix_{c.name} < ex_{c.name}; ++ix_{c.name})")
+        for u in range(UNROLL):
+            self.emit(f"d{u} += {parts[u]};")
+        self.end()
+        for u in range(UNROLL):
+            self.emit(f"{buf}[jb + {u}] = d{u};")
+        self.end("} else {")
+        self.ind += 1
+        self.scalar_contraction(buf, c, scalar_body, f"jb + {UNROLL}", start="jb")
+        self.end()
+        self.end()
+        self.scalar_contraction(buf, c, scalar_body, "cn", start="jb")
+        self.end()
+        return buf
+
+    def scalar_contraction(self, buf: str, c: sp.Symbol, body: str, stop: str, start: str) -> None:
+        ir = self.ir
+        self.block(f"for (int64_t jj = {start}; jj < {stop}; ++jj)")
+        self.emit("if (!el_ok[jj]) continue;")
+        self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
+        self.emit("float d = 0.0f;")
+        self.emit(f"for (int64_t ix_{c.name} = 0; ix_{c.name} < ex_{c.name}; ++ix_{c.name}) d += {body};")
+        self.emit(f"{buf}[jj] = d;")
         self.end()
 
     def mask_lets(self) -> set[str]:
@@ -511,6 +614,8 @@ class _Kernel:
             return
         expr = let.expr
         for s in sorted(expr.atoms(sp.Sum), key=str):
+            if s in self.local:  # computed already (blocked contractions)
+                continue
             name = self.fresh("dot")
             c = s.limits[0][0]
             self.emit(f"float {name} = 0.0f;")
@@ -575,7 +680,78 @@ class _Kernel:
             for f in keyed:
                 self.emit(f"elk_{f.name}[jj] = {self.pr.flt(f.term)};")
             self.end()
-        self.block("for (int64_t jj = 0; jj < cn; ++jj)")
+        split = self.blockable_fold(forms)
+        if split is None:
+            self.element_body(forms, "0", "cn")
+            self.local = {}
+            return
+        # a sum carried over free indices (o[d] += p_j v[j, d]): UNROLL elements per pass over the free indices,
+        # where all of them count; the others one at a time
+        f, (outer, inner) = forms[0], split
+        self.block("")
+        pre = self.branch_free(outer)
+        if pre:  # the element factor (p_j) for the whole chunk in one vectorisable loop
+            wbuf = self.fresh("elw")
+            self.emit(f"float {wbuf}[{CHUNK}];")
+            self.block("for (int64_t jj = 0; jj < cn; ++jj)")
+            self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
+            self.emit(f"(void)ix_{ir.over};")
+            self.emit(f"{wbuf}[jj] = {self.pr.flt(outer)};")
+            self.end()
+        self.emit("int64_t jb = 0;")
+        self.block(f"for (; jb + {UNROLL} <= cn; jb += {UNROLL})")
+        self.block(f"if ({' && '.join(f'el_cnt[jb + {u}]' for u in range(UNROLL))})")
+        saved = dict(self.local)
+        ws, vs = [], []
+        for u in range(UNROLL):
+            self.local.update(self.element_overrides(u, "jb"))
+            self.emit(f"const int64_t ix_{ir.over}_{u} = c0 + jb + {u};")
+            self.emit(f"(void)ix_{ir.over}_{u};")
+            w = self.fresh("w")
+            self.emit(f"const float {w} = {f'{wbuf}[jb + {u}]' if pre else self.pr.flt(outer)};")
+            ws.append(w)
+            vs.append(self.pr.flt(inner))
+            self.local = dict(saved)
+        n = self.free_loops(f)
+        target = self.state_ref(f.name)
+        self.emit(f"{target} = {target} + {' + '.join(f'{w} * {v}' for w, v in zip(ws, vs))};")
+        for _ in range(n):
+            self.end()
+        self.end("} else {")
+        self.ind += 1
+        self.element_body(forms, "jb", f"jb + {UNROLL}")
+        self.end()
+        self.end()
+        self.element_body(forms, "jb", "cn")
+        self.end()
+        self.local = {}
+
+    def branch_free(self, e: sp.Expr) -> bool:
+        """Whether e may be evaluated for every element of a chunk, masked ones included: float arithmetic only, and
+        tensor reads only where there is no mask (a masked element's indices need not be in bounds)."""
+        if any(getattr(x, "is_integer", False) for x in e.free_symbols) or e.atoms(idiv, sp.Mod):
+            return False
+        return not e.atoms(sp.Indexed) or self.ir.mask in (sp.true, True)
+
+    def blockable_fold(self, forms: list[ReductionForm]) -> tuple[sp.Expr, sp.Expr] | None:
+        """(factor without the free indices, factor with them) of a lone sum over free indices, or None."""
+        if len(forms) != 1:
+            return None
+        f = forms[0]
+        if f.selection or not f.free or f.op != "sum" or f.where not in (sp.true, True) or not f.term.is_Mul:
+            return None
+        free_syms = {self.ir.indices[n] for n in f.free}
+        outer = sp.Mul(*[x for x in f.term.args if not (x.free_symbols & free_syms)])
+        inner = sp.Mul(*[x for x in f.term.args if x.free_symbols & free_syms])
+        if outer == 1 or inner == 1:
+            return None
+        return outer, inner
+
+    def element_body(self, forms: list[ReductionForm], start: str, stop: str) -> None:
+        """Each element of [start, stop) of the chunk folded into the states, one at a time."""
+        ir = self.ir
+        saved = dict(self.local)
+        self.block(f"for (int64_t jj = {start}; jj < {stop}; ++jj)")
         self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
         self.emit(f"(void)ix_{ir.over};")
         for f in forms:
@@ -587,7 +763,7 @@ class _Kernel:
                 self.fold_term(f)
             self.end("} while (false);")
         self.end()
-        self.local = {}
+        self.local = saved
 
     def cse(self, exprs: list[sp.Expr]) -> list[sp.Expr]:
         repl, reduced = sp.cse(exprs, symbols=sp.numbered_symbols("cse"), optimizations=None)
