@@ -327,12 +327,7 @@ class _Kernel:
         if not f.selection or f.term is None or isinstance(f.term, sp.Symbol):  # a symbol: already an element value
             return False
         free_syms = {self.ir.indices[n] for n in f.free}
-        if f.term.free_symbols & free_syms:
-            return False
-        if any(getattr(s, "is_integer", False) for s in f.term.free_symbols):
-            return False
-        # tensor reads of masked elements are only known to be in bounds without a mask
-        return not f.term.atoms(sp.Indexed) or self.ir.mask in (sp.true, True)
+        return not f.term.free_symbols & free_syms and self.branch_free(f.term)
 
     def hoist_buffers(self) -> None:
         """Row-invariant factors of contractions (the q row of q . k) are converted once per row."""
