@@ -733,14 +733,20 @@ class _Kernel:
         if len(forms) != 1:
             return None
         f = forms[0]
-        if f.selection or not f.free or f.op != "sum" or f.where not in (sp.true, True) or not f.term.is_Mul:
+        if f.selection or f.where not in (sp.true, True):
             return None
-        free_syms = {self.ir.indices[n] for n in f.free}
-        outer = sp.Mul(*[x for x in f.term.args if not (x.free_symbols & free_syms)])
-        inner = sp.Mul(*[x for x in f.term.args if x.free_symbols & free_syms])
+        outer, inner = self.split_free(f)
         if outer == 1 or inner == 1:
             return None
         return outer, inner
+
+    def split_free(self, f: ReductionForm) -> tuple[sp.Expr, sp.Expr]:
+        """A sum's term over free indices as (factors without them, factors with them); (1, term) otherwise."""
+        free_syms = {self.ir.indices[n] for n in f.free}
+        if not (f.free and f.term.is_Mul and f.op == "sum"):
+            return sp.Integer(1), f.term
+        return (sp.Mul(*[x for x in f.term.args if not (x.free_symbols & free_syms)]),
+                sp.Mul(*[x for x in f.term.args if x.free_symbols & free_syms]))
 
     def element_body(self, forms: list[ReductionForm], start: str, stop: str) -> None:
         """Each element of [start, stop) of the chunk folded into the states, one at a time."""
@@ -782,12 +788,8 @@ class _Kernel:
 
     def fold_term(self, f: ReductionForm) -> None:
         # the part of the term that does not depend on the free indices is computed once per element
-        free_syms = {self.ir.indices[n] for n in f.free}
         term = f.term
-        outer, inner = sp.Integer(1), term
-        if f.free and term.is_Mul and f.op == "sum":
-            outer = sp.Mul(*[x for x in term.args if not (x.free_symbols & free_syms)])
-            inner = sp.Mul(*[x for x in term.args if x.free_symbols & free_syms])
+        outer, inner = self.split_free(f)
         if outer != 1:
             name = self.fresh("w")
             self.emit(f"const float {name} = {self.pr.flt(outer)};")
