@@ -272,12 +272,7 @@ def plots(data: dict, out: Path) -> list[Path]:
             ax.set_title("decode (Sq = 1)", fontsize=9)
             ax.legend(fontsize=7)
             ax.grid(alpha=0.3, axis="y")
-        fig.suptitle(f"fused_attention on {machine}", fontsize=11)
-        fig.tight_layout()
-        p = out / "fused_attention.png"
-        fig.savefig(p, dpi=90)
-        plt.close(fig)
-        written.append(p)
+        written.append(_save(plt, fig, out, "fused_attention", machine))
 
     moe = [r for r in res if r["op"] == "moe_route"]
     if moe:
@@ -302,13 +297,17 @@ def plots(data: dict, out: Path) -> list[Path]:
             ax.legend(fontsize=7)
         for j in range(len(routers), nrows * ncols):
             axes[j // ncols][j % ncols].axis("off")
-        fig.suptitle(f"moe_route on {machine}", fontsize=11)
-        fig.tight_layout()
-        p = out / "moe_route.png"
-        fig.savefig(p, dpi=90)
-        plt.close(fig)
-        written.append(p)
+        written.append(_save(plt, fig, out, "moe_route", machine))
     return written
+
+
+def _save(plt, fig, out: Path, op: str, machine: str) -> Path:
+    fig.suptitle(f"{op} on {machine}", fontsize=11)
+    fig.tight_layout()
+    p = out / f"{op}.png"
+    fig.savefig(p, dpi=90)
+    plt.close(fig)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:

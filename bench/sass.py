@@ -178,15 +178,19 @@ def _blocks(text: str):
         yield arch, ident, lines
 
 
+def _variant_blocks(text: str):
+    """(variant, arch name, lines) of each cuobjdump block that names both its arch and its variant."""
+    for arch, ident, lines in _blocks(text):
+        if arch is not None and ident is not None:
+            variant = _variant_of(ident)
+            yield variant, _arch_name(arch, variant), lines
+
+
 def parse_resource_usage(text: str, kernels: dict[tuple[str, str, str], Kernel] | None = None
                          ) -> dict[tuple[str, str, str], Kernel]:
     """Kernels (with their resources) from `cuobjdump --dump-resource-usage` output."""
     kernels = {} if kernels is None else kernels
-    for arch, ident, lines in _blocks(text):
-        if arch is None or ident is None:
-            continue
-        variant = _variant_of(ident)
-        arch = _arch_name(arch, variant)
+    for variant, arch, lines in _variant_blocks(text):
         fn = None
         for line in lines:
             m = _RES_FN.match(line)
@@ -206,11 +210,7 @@ def parse_sass(text: str, kernels: dict[tuple[str, str, str], Kernel] | None = N
                ) -> dict[tuple[str, str, str], Kernel]:
     """Adds instruction counts from `cuobjdump --dump-sass` output (kernels missing so far are created)."""
     kernels = {} if kernels is None else kernels
-    for arch, ident, lines in _blocks(text):
-        if arch is None or ident is None:
-            continue
-        variant = _variant_of(ident)
-        arch = _arch_name(arch, variant)
+    for variant, arch, lines in _variant_blocks(text):
         current: Kernel | None = None
         for line in lines:
             m = _SASS_FN.match(line)

@@ -12,16 +12,16 @@ one of a full CUDA toolkit (``$CUDA_HOME/bin``). These tests never install anyth
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from bench import sass
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -99,21 +99,10 @@ def library(installed) -> Path:
 
 
 def _tool(name: str, hint: str) -> str:
-    path = shutil.which(name)
-    if path:
-        return path
-    candidates = []
-    for env in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(env):
-            candidates.append(Path(os.environ[env]) / "bin" / name)
-    candidates.append(Path("/usr/local/cuda/bin") / name)
-    spec = importlib.util.find_spec("nvidia")
-    for base in (spec.submodule_search_locations or []) if spec else []:
-        candidates += sorted(Path(base).glob(f"*/bin/{name}"))
-    for c in candidates:
-        if c.is_file() and os.access(c, os.X_OK):
-            return str(c)
-    pytest.fail(f"{name} not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin, site-packages/nvidia/*/bin). {hint}")
+    try:
+        return sass.find_tool(name)
+    except sass.ToolMissing as e:
+        pytest.fail(f"{e}. {hint}")
 
 
 def _readelf_dynamic(lib: Path) -> str:
