@@ -1,4 +1,4 @@
-"""The bridges from the engine's forms to the kernel templates (generator/codegen/cuda.py), checked on the CPU.
+"""The bridges from the engine's forms to the kernel templates (generator/codegen/templates/*_bridge.py), checked on the CPU.
 
 - fused_attention: the AttentionMath rendered from the engine's forms runs through the template's own numpy
   simulation of the emitted schedule (tiles, masks, guards, split-KV merge) against the float64 reference;
@@ -18,9 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from generator.codegen.cuda import BridgeError, attention_math, row_program
+from generator.codegen.bridge import BridgeError
 from generator.codegen.templates import resident_row as rr
 from generator.codegen.templates import stream_attention as sa
+from generator.codegen.templates.resident_row_bridge import row_program
+from generator.codegen.templates.stream_attention_bridge import attention_math
 from generator.spec import load_spec, parse_spec
 from generator.symbolic import derive
 

@@ -314,10 +314,10 @@ def signed_topk_program() -> StepProgram:
 
 
 def engine_moe_route_program() -> StepProgram:
-    """The moe_route step program as the engine derives it from specs/moe_route.yaml (generator/codegen/cuda.py)."""
+    """The moe_route step program as the engine derives it from specs/moe_route.yaml (generator/codegen/templates/resident_row_bridge.py)."""
     from pathlib import Path
 
-    from generator.codegen.cuda import row_program
+    from generator.codegen.templates.resident_row_bridge import row_program
     from generator.spec import load_spec
     from generator.symbolic import derive
 

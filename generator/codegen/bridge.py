@@ -1,0 +1,89 @@
+"""What every template bridge shares: the refusal error, the lowering jobs and plan it returns, and the C++ helpers
+that bind a lowered launcher's parameters by name.
+
+A bridge (generator/codegen/templates/<template>_bridge.py) reads the engine's analysis of an op, checks that the
+cascade has the shape its template schedules (and says precisely why not otherwise), renders the engine's formulas
+into the template's math interface and returns a :class:`Plan`: the TileLang programs to lower (:class:`Job`) and,
+once they are lowered, the body of the op's ``impl_cuda``. generator/codegen/cuda.py keeps the registry
+(``TEMPLATES``: name -> (plan, body)) and the lowering.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+
+
+class BridgeError(ValueError):
+    """The cascade does not have the shape a template schedules."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One CUDA variant to lower: the TileLang program text and where its .cu goes."""
+
+    symbol: str
+    family: str
+    program: str  # python source with make_prim_func()
+    header: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass
+class Plan:
+    jobs: list[Job] = field(default_factory=list)
+    body: list[str] = field(default_factory=list)  # impl_cuda body (uses the lowered launchers by name)
+    families: tuple[str, ...] = ()
+
+
+def only(items: list, what: str, template: str) -> object:
+    """The single item of a list, or a refusal naming what the template needs."""
+    if len(items) != 1:
+        raise BridgeError(f"the {template} template needs exactly one {what}, found {len(items)}")
+    return items[0]
+
+
+def py_to_cpp(text: str, names: dict[str, str]) -> str:
+    """A small Python condition (template preconditions) as C++: names mapped, // -> division."""
+
+    def conv(n: ast.AST) -> str:
+        if isinstance(n, ast.BoolOp):
+            op = " && " if isinstance(n.op, ast.And) else " || "
+            return "(" + op.join(conv(v) for v in n.values) + ")"
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not):
+            return f"(!{conv(n.operand)})"
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
+            return f"(-{conv(n.operand)})"
+        if isinstance(n, ast.Compare):
+            parts = []
+            left = conv(n.left)
+            for op, right in zip(n.ops, n.comparators):
+                r = conv(right)
+                sym = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!="}[type(op)]
+                parts.append(f"({left} {sym} {r})")
+                left = r
+            return "(" + " && ".join(parts) + ")"
+        if isinstance(n, ast.BinOp):
+            sym = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.FloorDiv: "/", ast.Mod: "%"}[type(n.op)]
+            return f"({conv(n.left)} {sym} {conv(n.right)})"
+        if isinstance(n, ast.Name):
+            if n.id not in names:
+                raise BridgeError(f"precondition {text!r}: unknown name {n.id}")
+            return names[n.id]
+        if isinstance(n, ast.Constant):
+            return repr(n.value).lower() if isinstance(n.value, bool) else repr(n.value)
+        raise BridgeError(f"precondition {text!r}: unsupported syntax {ast.unparse(n)}")
+
+    return conv(ast.parse(text, mode="eval").body)
+
+
+def launch_call(symbol: str, params: list[tuple], args: dict[str, str]) -> str:
+    """`<symbol>_call(...)` with each parameter bound by name."""
+    out = []
+    for name, kind, _dtype, ctype in params:
+        if kind == "stream":
+            out.append("s")
+            continue
+        if name not in args:
+            raise BridgeError(f"{symbol}: no value for launcher parameter '{name}'")
+        out.append(f"({ctype})({args[name]})" if kind != "pointer" else args[name])
+    return f"{symbol}_call({', '.join(out)})"
