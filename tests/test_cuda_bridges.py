@@ -49,12 +49,12 @@ def _attention_reference(q, k, v, causal, scale):
 @pytest.fixture(scope="module")
 def attention():
     op = derive(load_spec(ROOT / "specs" / "fused_attention.yaml"))
-    return {causal: attention_math(a) for a in op.cases for causal in [dict(a.ir.specialization)["causal"]]}
+    return {causal: attention_math(a)[:2] for a in op.cases for causal in [dict(a.ir.specialization)["causal"]]}
 
 
 def test_attention_math_is_the_engines(attention):
-    math, causal = attention[True]
-    assert causal
+    math, band = attention[True]
+    assert band is not None and band.lo is None and band.name == "causal"
     names = [s.name for s in math.states]
     assert names == ["m", "l"]
     l_state = math.states[1]
@@ -76,7 +76,7 @@ def test_engine_math_through_the_template_schedule(attention, causal, Sq, Sk, H,
     k = rng.standard_normal((2, Sk, Hk, 64)).astype(np.float32)
     v = rng.standard_normal((2, Sk, Hk, 64)).astype(np.float32)
     q[0, 0] *= -300.0  # a row whose scores are all far below zero: the first correction must not overflow
-    o, lse = sa.simulate(math, q, k, v, causal, {"softmax_scale": 0.125}, num_splits=splits)
+    o, lse = sa.simulate(math, q, k, v, causal, {"fparam0": 0.125}, num_splits=splits)
     ro, rl = _attention_reference(q, k, v, causal, 0.125)
     assert np.isfinite(o).all()
     assert np.abs(o - ro).max() < 2e-5
@@ -146,3 +146,88 @@ def test_split_heuristic_cpp_matches_python(tmp_path):
     want = [sa.choose_num_splits(*c) for c in cases]
     assert [int(x) for x in got] == want
     assert any(w > 1 for w in want) and any(w == 1 for w in want)
+
+
+# ---- masks read as bands of keys per query row (specs/sliding_window_attention.yaml)
+@pytest.fixture(scope="module")
+def window_attention():
+    op = derive(load_spec(ROOT / "specs" / "sliding_window_attention.yaml"))
+    return attention_math(op.cases[0])
+
+
+def test_sliding_window_band_is_read_from_the_mask(window_attention):
+    _, band, roles = window_attention
+    # j <= i + Sk - Sq and j > i + Sk - Sq - window: two affine bounds, the window an int kernel argument
+    assert band.hi == "seqlen_k - seqlen_q + r + 1" and band.lo == "seqlen_k - seqlen_q + r - iparam0 + 1"
+    assert band.params == ("iparam0",) and roles.int_params == ("window",)
+    assert roles.float_params == ("softcap", "softmax_scale")
+    assert dict(roles.empty) == {"out": 0.0, "lse": -np.inf}
+
+
+@pytest.mark.parametrize("Sq, Sk, window", [(37, 5, 3), (70, 300, 1), (70, 300, 100), (128, 129, 64), (1, 1, 1),
+                                            (200, 200, 1000), (9, 150, 17)])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("block_m, block_n", [(64, 64), (16, 32)])
+def test_sliding_window_through_the_template_schedule(window_attention, Sq, Sk, window, splits, block_m, block_n):
+    torch = pytest.importorskip("torch")
+    from spec_references import sliding_window_attention as reference
+
+    math, band, _ = window_attention
+    rng = np.random.default_rng(Sq * 7 + Sk + window)
+    q = rng.standard_normal((2, Sq, 4, 64)).astype(np.float32)
+    k = rng.standard_normal((2, Sk, 2, 64)).astype(np.float32)
+    v = rng.standard_normal((2, Sk, 2, 64)).astype(np.float32)
+    q *= 3.0  # scores beyond the cap: tanh saturates
+    params = {"fparam0": 5.0, "fparam1": 0.125, "iparam0": window}
+    o, lse = sa.simulate(math, q, k, v, band, params, block_m=block_m, block_n=block_n, num_splits=splits)
+    ro, rl = reference(*(torch.from_numpy(x) for x in (q, k, v)), window, softcap=5.0, softmax_scale=0.125)
+    ro, rl = ro.numpy(), rl.numpy()
+    assert np.isfinite(o).all()
+    assert np.abs(o - ro).max() < 2e-5
+    finite = np.isfinite(rl)
+    assert np.array_equal(np.isfinite(lse), finite) and np.array_equal(lse[~finite], rl[~finite])
+    assert np.abs(lse[finite] - rl[finite]).max() < 1e-3
+
+
+MASK_SPEC = """
+op: banded
+axes: {B: b, S: s, H: h, D: d}
+args:
+  q: {shape: [B, S, H, D], dtype: [float32]}
+  k: {shape: [B, S, H, D], dtype: [float32]}
+  v: {shape: [B, S, H, D], dtype: [float32]}
+  lens: {shape: [B], dtype: [int32], values: "[0, S]"}
+  w: {type: int, default: 4}
+outputs:
+  out: {shape: [B, S, H, D], dtype: q, index: [b, i, h, d], value: "o / l", empty: 0}
+  lse: {shape: [B, H, S], dtype: float32, index: [b, h, i], value: "m + log(l)"}
+cascade:
+  indices: {b: B, i: S, h: H, j: S, c: D, d: D}
+  rows: [b, i, h]
+  over: j
+  let:
+    s: "sum(q[b, i, h, c] * k[b, j, h, c], c)"
+  mask: "MASK"
+  reduce:
+    m: max(s)
+    l: sum(exp(s - m))
+    o: sum(exp(s - m) * v[b, j, h, d])
+"""
+
+
+@pytest.mark.parametrize("mask, band, why", [
+    ("j >= i - w and j <= i + w", ("r - iparam0", "r + iparam0 + 1"), None),  # a symmetric band
+    ("2 * j <= i", None, "is not key"),
+    ("j < lens[b]", None, "reads a tensor"),
+    ("j <= i or j > i + 8", None, "is not a bound on the key index"),
+    ("j <= i and j < i + 3", None, "2 upper bounds"),
+    ("j <= i + b", None, "reads"),
+])
+def test_masks_as_bands_or_refusals(mask, band, why):
+    op = derive(parse_spec(MASK_SPEC.replace("MASK", mask), "banded.yaml"))
+    if why is not None:
+        with pytest.raises(BridgeError, match=why):
+            attention_math(op.cases[0])
+        return
+    _, got, _ = attention_math(op.cases[0])
+    assert (got.lo, got.hi) == band

@@ -35,6 +35,17 @@ class Plan:
     families: tuple[str, ...] = ()
 
 
+def flag_test(spec, name: str, value, ref) -> str:
+    """C-like test that flag ``name`` has the specialisation value ``value``; ``ref(n)`` spells the run-time value
+    of ``n`` (``has_<tensor>`` for an optional tensor's presence, else the flag: bool 0/1, str the choice's index)."""
+    arg = spec.arg(name)
+    if getattr(arg, "optional", False) and not hasattr(arg, "type"):
+        return f"{ref('has_' + name)} != 0" if value == "present" else f"{ref('has_' + name)} == 0"
+    if arg.type == "bool":
+        return f"{ref(name)} != 0" if value else f"{ref(name)} == 0"
+    return f"{ref(name)} == {arg.choices.index(value)}"
+
+
 def only(items: list, what: str, template: str) -> object:
     """The single item of a list, or a refusal naming what the template needs."""
     if len(items) != 1:

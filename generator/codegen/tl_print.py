@@ -10,6 +10,9 @@ import sympy as sp
 
 from ..symbolic.expr import Cast, sigmoid
 
+# one-argument functions of the spec language and their TileLang intrinsics
+_FUNCTIONS = ((sp.tanh, "tanh"), (sp.sin, "sin"), (sp.cos, "cos"))
+
 
 class TLPrinter:
     def __init__(self, names: dict[sp.Basic, str], where: str, inf: str = "T.infinity(accum_dtype)"):
@@ -65,6 +68,9 @@ class TLPrinter:
             return f"T.log({self.p(e.args[0])})"
         if isinstance(e, sp.Abs):
             return f"T.abs({self.p(e.args[0])})"
+        for fn, name in _FUNCTIONS:
+            if isinstance(e, fn):
+                return f"T.{name}({self.p(e.args[0])})"
         if isinstance(e, sigmoid):
             return f"(T.float32(1.0) / (T.float32(1.0) + T.exp(-({self.p(e.args[0])}))))"
         if isinstance(e, (sp.Max, sp.Min)):

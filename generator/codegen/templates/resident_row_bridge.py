@@ -12,7 +12,7 @@ import sympy as sp
 from ...spec import OpSpec
 from ...symbolic.expr import Cast, entrysum, idiv, isin
 from ...symbolic.forms import Analysis, OpAnalysis, ReductionForm
-from ..bridge import BridgeError, Job, Plan, launch_call, only, py_to_cpp
+from ..bridge import BridgeError, Job, Plan, flag_test, launch_call, only, py_to_cpp
 from ..glue import SCALAR_TYPES
 from ..tl_print import TLPrinter
 
@@ -240,12 +240,7 @@ def row_program(spec: OpSpec, op: OpAnalysis):
     per_case = {tuple(v for _, v in a.ir.specialization): _RowBridge(spec, a).build() for a in op.cases}
 
     def cond(name: str, value) -> str:
-        arg = spec.arg(name)
-        if getattr(arg, "optional", False) and not hasattr(arg, "type"):
-            return f"has_{name} != 0" if value == "present" else f"has_{name} == 0"
-        if arg.type == "bool":
-            return f"{name} != 0" if value else f"{name} == 0"
-        return f"{name} == {arg.choices.index(value)}"
+        return flag_test(spec, name, value, lambda x: x)
 
     def tree(cases: dict[tuple, list], depth: int) -> list:
         if depth == len(flags):

@@ -142,6 +142,27 @@ class AttentionMath:
     params: tuple[str, ...] = ("softmax_scale",)  # float32 scalar kernel arguments, in order
 
 
+@dataclass(frozen=True)
+class KeyBand:
+    """The keys query row ``r`` sees: ``lo <= j < hi`` (and always ``0 <= j < seqlen_k``).
+
+    ``lo`` and ``hi`` are affine int32 expressions over ``r``, ``seqlen_q``, ``seqlen_k`` and the int kernel
+    arguments in ``params`` (``None``: unbounded on that side). Per K/V tile the schedule derives from them which
+    tiles every row of a q-block sees completely (no compare), which it sees in part (masked compare) and which
+    none of its rows sees (never loaded): the bounds of a block are the band's values at its first and last rows,
+    exact for affine bounds.
+    """
+
+    name: str  # how variant names spell this mask, e.g. "causal"
+    lo: str | None = None
+    hi: str | None = None
+    params: tuple[str, ...] = ()  # int32 kernel arguments the bounds read, after the float params
+
+
+# bottom-right aligned causal: query r sees keys j <= r + seqlen_k - seqlen_q
+CAUSAL = KeyBand("causal", hi="r + 1 + seqlen_k - seqlen_q")
+
+
 # --------------------------------------------------------------------------------------------
 # Schedule configuration
 # --------------------------------------------------------------------------------------------
@@ -169,14 +190,22 @@ class AttentionConfig:
     combine_block_m: int = 16  # rows per CTA of the combine kernel
     combine_threads: int = 128
     extra: tuple[tuple[str, object], ...] = field(default=())
+    band: KeyBand | None = None  # the mask, when it is not the causal one that ``causal`` names
 
     @property
     def arch(self) -> str:
         return FAMILIES[self.family]
 
+    @property
+    def key_band(self) -> KeyBand | None:
+        """The keys each row sees (None: all of them)."""
+        if self.band is not None:
+            return self.band
+        return CAUSAL if self.causal else None
+
     def variant_name(self, op: str = "fused_attention") -> str:
         dt = {"float16": "fp16", "bfloat16": "bf16"}[self.dtype]
-        kind = "causal" if self.causal else "full"
+        kind = self.key_band.name if self.key_band is not None else "full"
         split = "_splitkv" if self.split_kv else ""
         return f"{op}__{dt}_d{self.head_dim}_{kind}{split}__{self.family}"
 
@@ -202,7 +231,8 @@ _TILES = {
 }
 
 
-def default_config(family: str, dtype: str, head_dim: int, causal: bool, split_kv: bool = False) -> AttentionConfig:
+def default_config(family: str, dtype: str, head_dim: int, causal: bool, split_kv: bool = False,
+                   band: KeyBand | None = None) -> AttentionConfig:
     if family not in FAMILIES:
         raise ValueError(f"unknown arch family {family!r}; expected one of {sorted(FAMILIES)}")
     if dtype not in DTYPES:
@@ -210,7 +240,7 @@ def default_config(family: str, dtype: str, head_dim: int, causal: bool, split_k
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"unsupported head_dim {head_dim}; expected one of {HEAD_DIMS}")
     bm, bn, threads, stages = _TILES[(family, head_dim)]
-    cfg = AttentionConfig(family, dtype, head_dim, causal, bm, bn, threads, stages, split_kv)
+    cfg = AttentionConfig(family, dtype, head_dim, causal, bm, bn, threads, stages, split_kv, band=band)
     if split_kv and uses_tma(cfg):
         # the segment bounds push the producer's TMA loop past 24 registers (5 spills seen)
         cfg = dataclasses.replace(cfg, producer_regs=40, consumer_regs=232)
@@ -295,7 +325,8 @@ static int choose_num_splits(int64_t batch, int64_t heads, int64_t seqlen_q, int
 # Expression renaming
 # --------------------------------------------------------------------------------------------
 
-_T_FUNCS = {"exp", "exp2", "log", "log2", "max", "min", "abs", "if_then_else", "infinity", "float32", "sqrt"}
+_T_FUNCS = {"exp", "exp2", "log", "log2", "max", "min", "abs", "if_then_else", "infinity", "float32", "sqrt", "tanh",
+            "sin", "cos"}
 _FREE = {"T", "accum_dtype"}
 
 
@@ -631,27 +662,37 @@ def emit_attention_program(math: AttentionMath, cfg: AttentionConfig, symbol: st
         qb_lin = "T.truncdiv(bx, num_splits)"
     else:
         qb_lin = "bx"
-    if cfg.causal:
-        # heaviest q-blocks (most keys under the causal mask) first
+    band = cfg.key_band
+    if band is not None and band.hi is not None:
+        # heaviest q-blocks (most keys under a causal-like upper bound) first
         src(b, f"q_blk = {n_qb} - 1 - {qb_lin}")
     else:
         src(b, f"q_blk = {qb_lin}")
     src(b, f"q0 = q_blk * {BM}")
     src(b, "kv_head = T.truncdiv(by, T.truncdiv(heads, heads_kv))")
-    if cfg.causal:
-        # bottom-right alignment: row r sees keys j < r + 1 + seqlen_k - seqlen_q
-        src(b, f"kv_end = T.max(T.min(seqlen_k, q0 + {BM} + seqlen_k - seqlen_q), 0)")
-        src(b, f"n_full = T.max(T.min(seqlen_k, q0 + 1 + seqlen_k - seqlen_q), 0) // {BN}")
+    # tiles [tile_lo, n_tiles) hold every key some row of the block sees; tiles [full_lo, n_full) are seen
+    # completely by every row (affine bounds take their extremes over the block at its first and last row)
+    if band is not None and band.hi is not None:
+        hi0, hi1 = _band_at(band, band.hi, "q0"), _band_at(band, band.hi, f"q0 + {BM - 1}")
+        src(b, f"kv_end = T.max(T.min(seqlen_k, T.max({hi0}, {hi1})), 0)")
+        src(b, f"n_full = T.max(T.min(seqlen_k, T.min({hi0}, {hi1})), 0) // {BN}")
         src(b, f"n_tiles = T.ceildiv(kv_end, {BN})")
     else:
+        src(b, "kv_end = seqlen_k")
         src(b, f"n_full = seqlen_k // {BN}")
         src(b, f"n_tiles = T.ceildiv(seqlen_k, {BN})")
+    if band is not None and band.lo is not None:
+        lo0, lo1 = _band_at(band, band.lo, "q0"), _band_at(band, band.lo, f"q0 + {BM - 1}")
+        src(b, f"tile_lo = T.min(T.max(T.min({lo0}, {lo1}), 0), kv_end) // {BN}")
+        src(b, f"full_lo = T.ceildiv(T.max(T.max({lo0}, {lo1}), 0), {BN})")
+    else:
+        src(b, "tile_lo = 0")
     if cfg.split_kv:
-        src(b, "per_split = T.truncdiv(n_tiles + num_splits - 1, num_splits)")
-        src(b, "t_begin = T.min(split * per_split, n_tiles)")
+        src(b, "per_split = T.truncdiv(n_tiles - tile_lo + num_splits - 1, num_splits)")
+        src(b, "t_begin = T.min(tile_lo + split * per_split, n_tiles)")
         src(b, "t_end = T.min(t_begin + per_split, n_tiles)")
     else:
-        src(b, "t_begin = 0")
+        src(b, "t_begin = tile_lo")
         src(b, "t_end = n_tiles")
     # Never run zero iterations: an empty range (a q-block that sees no key, an empty segment)
     # runs one tile at kt == n_tiles, which the mask removes entirely (every key index there is
@@ -692,6 +733,12 @@ def emit_attention_program(math: AttentionMath, cfg: AttentionConfig, symbol: st
     return src.text()
 
 
+def _band_at(band: KeyBand, expr: str, row: str) -> str:
+    """A bound of the band at query row ``row`` (TileLang text)."""
+    names = {"r": f"({row})", "seqlen_q": "seqlen_q", "seqlen_k": "seqlen_k", **{p: p for p in band.params}}
+    return render(expr, names, f"mask bound of {band.name}")
+
+
 def uses_tma(cfg: AttentionConfig) -> bool:
     """TMA families take Q/K/V as strided tensors (element strides in the TMA descriptors)."""
     return cfg.family in ("sm90a", "sm100a")
@@ -729,6 +776,8 @@ def _emit_forward_signature(src: _Src, math: AttentionMath, cfg: AttentionConfig
             src(2, "LSE: T.Tensor((batch, heads, seqlen_q), accum_dtype),")
         for p in math.params:
             src(2, f"{p}: T.float32,")
+        for p in _band_params(cfg):
+            src(2, f"{p}: T.int32,")
         src(1, "):")
         return
     # sm80: pointers + explicit int32 sizes; strides in units of 8 elements, so that TileLang can
@@ -741,6 +790,8 @@ def _emit_forward_signature(src: _Src, math: AttentionMath, cfg: AttentionConfig
         src(2, f"{name}_ptr: T.ptr,")
     for p in math.params:
         src(2, f"{p}: T.float32,")
+    for p in _band_params(cfg):
+        src(2, f"{p}: T.int32,")
     for a in ints:
         src(2, f"{a}: T.int32,")
     src(1, "):")
@@ -753,6 +804,10 @@ def _emit_forward_signature(src: _Src, math: AttentionMath, cfg: AttentionConfig
     else:
         src(2, f"O = T.make_tensor(O_ptr, (batch, seqlen_q, heads, {D}), dtype)")
         src(2, "LSE = T.make_tensor(LSE_ptr, (batch, heads, seqlen_q), accum_dtype)")
+
+
+def _band_params(cfg: AttentionConfig) -> tuple[str, ...]:
+    return cfg.key_band.params if cfg.key_band is not None else ()
 
 
 def _emit_assumptions(src: _Src, b: int, strides: bool) -> None:
@@ -795,17 +850,23 @@ def _emit_loop(src: _Src, b: int, plan: _Plan, cfg: AttentionConfig) -> None:
     smap["acc_s"] = "acc_s[i, j]"
     score = render(math.score, smap, "score")
     mask_value = render(math.mask_value, {p: p for p in math.params}, "mask_value")
-    if cfg.causal:
-        limit = "T.min(seqlen_k, q0 + i + 1 + seqlen_k - seqlen_q)"
+    band = cfg.key_band
+    if band is not None and band.hi is not None:
+        limit = f"T.min(seqlen_k, {_band_at(band, band.hi, 'q0 + i')})"
     else:
         limit = "seqlen_k"
+    masked = f"T.if_then_else(kt * {BN} + j < {limit}, {score}, {mask_value})"
+    partial = "kt >= n_full"
+    if band is not None and band.lo is not None:
+        masked = f"T.if_then_else(kt * {BN} + j >= {_band_at(band, band.lo, 'q0 + i')}, {masked}, {mask_value})"
+        partial = "kt < full_lo or kt >= n_full"
     stmt(
         "softmax",
         "\n".join(
             [
-                "if kt >= n_full:",
+                f"if {partial}:",
                 f"    for i, j in T.Parallel({BM}, {BN}):",
-                f"        acc_s[i, j] = T.if_then_else(kt * {BN} + j < {limit}, {score}, {mask_value})",
+                f"        acc_s[i, j] = {masked}",
                 "else:",
                 f"    for i, j in T.Parallel({BM}, {BN}):",
                 f"        acc_s[i, j] = {score}",
@@ -1057,6 +1118,15 @@ class _NpT:
     def float32(self, x):
         return self.np.float32(x)
 
+    def tanh(self, x):
+        return self.np.tanh(x)
+
+    def sin(self, x):
+        return self.np.sin(x)
+
+    def cos(self, x):
+        return self.np.cos(x)
+
 
 def simulate(
     math: AttentionMath,
@@ -1072,7 +1142,8 @@ def simulate(
 ):
     """Execute the emitted schedule on numpy arrays (float32 math), returning (out, lse).
 
-    q (B, Sq, H, D), k/v (B, Sk, Hk, D). Mirrors the generated program tile by tile: q-blocks,
+    q (B, Sq, H, D), k/v (B, Sk, Hk, D); ``causal`` is a bool (the bottom-right causal mask or none) or a
+    :class:`KeyBand`, whose int params are read from ``params``. Mirrors the generated program tile by tile: q-blocks,
     causal loop bounds, tail/causal masking of boundary tiles, the per-tile state updates with
     guards and corrections, the weight cast to ``p_dtype`` before P@V, split-KV segments and the
     merge.  Out-of-range K/V rows are zero (as TMA / predicated loads deliver them).
@@ -1095,7 +1166,14 @@ def _simulate(math, q, k, v, causal, params, block_m, block_n, num_splits, p_dty
     opart = np.zeros((num_splits, B, Sq, H, D), f32)
     spart = np.zeros((len(plan.state_names), num_splits, B, H, Sq), f32)
     base_env = {"T": nT, "accum_dtype": f32}
-    base_env.update({p: f32(val) for p, val in params.items()})
+    band = causal if isinstance(causal, KeyBand) else (CAUSAL if causal else None)
+    int_env = {"seqlen_q": Sq, "seqlen_k": Sk}
+    if band is not None:
+        int_env.update({p: int(params[p]) for p in band.params})
+    base_env.update({p: f32(val) for p, val in params.items() if band is None or p not in band.params})
+
+    def bound(expr, rows):
+        return np.asarray(eval(compile(expr, "<band>", "eval"), {"__builtins__": {}}, {**int_env, "r": rows}), np.int64)
 
     def ev(expr, env):
         with np.errstate(all="ignore"):
@@ -1111,15 +1189,22 @@ def _simulate(math, q, k, v, causal, params, block_m, block_n, num_splits, p_dty
                 qt = np.zeros((block_m, D), f32)
                 valid_rows = rows < Sq
                 qt[valid_rows] = q[bz, rows[valid_rows], by].astype(f32)
-                if causal:
-                    kv_end = max(min(Sk, q0 + block_m + Sk - Sq), 0)
-                    n_full = max(min(Sk, q0 + 1 + Sk - Sq), 0) // block_n
+                # the band's bounds per row (ints), and the block's tile ranges from its first and last row
+                hi_r = bound(band.hi, rows) if band is not None and band.hi is not None else None
+                lo_r = bound(band.lo, rows) if band is not None and band.lo is not None else None
+                if hi_r is not None:
+                    kv_end = max(min(Sk, max(hi_r[0], hi_r[-1])), 0)
+                    n_full = max(min(Sk, min(hi_r[0], hi_r[-1])), 0) // block_n
                 else:
                     kv_end, n_full = Sk, Sk // block_n
+                tile_lo, full_lo = 0, 0
+                if lo_r is not None:
+                    tile_lo = min(max(min(lo_r[0], lo_r[-1]), 0), kv_end) // block_n
+                    full_lo = -(-max(max(lo_r[0], lo_r[-1]), 0) // block_n)
                 n_tiles = -(-kv_end // block_n)
-                per = -(-n_tiles // num_splits)
+                per = -(-(n_tiles - tile_lo) // num_splits)
                 for split in range(num_splits):
-                    t_begin = min(split * per, n_tiles)
+                    t_begin = min(tile_lo + split * per, n_tiles)
                     t_end = min(t_begin + per, n_tiles)
                     st = {}
                     for s_ in math.states:
@@ -1147,9 +1232,11 @@ def _simulate(math, q, k, v, causal, params, block_m, block_n, num_splits, p_dty
                         vt_[vc] = v[bz, cols[vc], kvh].astype(f32)
                         raw = qt @ kt_.T
                         score = ev(math.score, {"acc_s": raw})
-                        if kt >= n_full:
-                            lim = np.minimum(Sk, rows + 1 + Sk - Sq) if causal else np.full(block_m, Sk)
+                        if kt < full_lo or kt >= n_full:
+                            lim = np.minimum(Sk, hi_r) if hi_r is not None else np.full(block_m, Sk)
                             ok = cols[None, :] < lim[:, None]
+                            if lo_r is not None:
+                                ok &= cols[None, :] >= lo_r[:, None]
                             s = np.where(ok, score, ev(math.mask_value, {}))
                         else:
                             s = score

@@ -1,17 +1,26 @@
 """Bridge from the engine's forms of an attention-shaped cascade to the stream_attention template.
 
-It checks that the cascade has the template's shape (one streaming pass, row states and one weighted sum fed by a
-contraction; says precisely why not otherwise), renders the engine's formulas into :class:`AttentionMath`, and
-writes the op's ``impl_cuda`` body (checks the kernels rely on, the split-KV choice, one launch per variant).
+It binds the cascade by role, never by name: the contraction of the score gives the Q and K reads, whose index
+order gives the batch, query-row and head indices; the weighted sum's free factor is the V read; the K read's head
+index gives the key/value heads (the same axis, or ``head // (H // Hk)``); the mask, read as affine constraints on
+(query row, key), gives the band of keys each row sees (:class:`KeyBand`); the scalars the math reads become float
+kernel arguments and the int arguments of the mask int ones; each specialisation of the flags is a variant, and the
+values of an empty row come from the engine's outputs at the neutral states. Anything else is refused with the
+reason. It renders the engine's formulas into :class:`AttentionMath` and writes the op's ``impl_cuda`` body (checks
+the kernels rely on, the split-KV choice, one launch per variant) with the glue's own argument names.
 """
 
 from __future__ import annotations
 
+import math as _math
+from dataclasses import dataclass
+
 import sympy as sp
 
 from ...spec import OpSpec
-from ...symbolic.forms import Analysis, OpAnalysis
-from ..bridge import BridgeError, Job, Plan, launch_call, only
+from ...symbolic.expr import idiv
+from ...symbolic.forms import MONOIDS, Analysis, OpAnalysis, _numeric_at
+from ..bridge import BridgeError, Job, Plan, flag_test, launch_call, only
 from ..glue import SCALAR_TYPES
 from ..tl_print import TLPrinter
 
@@ -20,13 +29,188 @@ def _only(items: list, what: str) -> object:
     return only(items, what, "stream_attention")
 
 
-def attention_math(a: Analysis):
-    """The engine's forms of an attention-shaped cascade as the template's AttentionMath."""
+@dataclass(frozen=True)
+class AttentionRoles:
+    """What each name of the cascade is to the template (every field is a spec name)."""
+
+    q: str
+    k: str
+    v: str
+    out: str  # (batch, query, head, dim) output
+    lse: str  # (batch, head, query) output
+    batch: str  # axes
+    query: str
+    head: str
+    key: str
+    kv_head: str
+    dim: str
+    float_params: tuple[str, ...]  # scalars the math reads: kernel arguments fparam0, fparam1, ...
+    int_params: tuple[str, ...]  # int scalars the mask reads: kernel arguments iparam0, ...
+    empty: tuple[tuple[str, float], ...]  # output -> its value for a row that sees no key
+
+
+def _axis(e: sp.Basic, where: str, what: str) -> str:
+    if not isinstance(e, sp.Symbol):
+        raise BridgeError(f"{where}: the {what} extent must be an axis, got {e}")
+    return e.name
+
+
+def _roles(a: Analysis, contraction: sp.Sum, acc, where: str) -> tuple[dict, sp.Indexed]:
+    """Bind batch / query / head / key / kv-head / dim by the reads of the score's contraction and of V."""
+    ir = a.ir
+    over = ir.indices[ir.over]
+    c = contraction.limits[0][0]
+    reads = sorted(contraction.function.atoms(sp.Indexed), key=str)
+    if len(reads) != 2 or sp.simplify(contraction.function - reads[0] * reads[1]) != 0:
+        raise BridgeError(f"{where}: the score's contraction must be a product of two reads (q . k), got "
+                          f"{contraction.function}")
+    k_read = _only([x for x in reads if x.has(over)], "K read (a contraction read indexed by the streamed axis)")
+    q_read = _only([x for x in reads if not x.has(over)], "Q read (a contraction read free of the streamed axis)")
+    rows = [ir.indices[r] for r in ir.rows]
+    if len(rows) != 3 or len(q_read.indices) != 4 or q_read.indices[3] != c or set(q_read.indices[:3]) != set(rows):
+        raise BridgeError(f"{where}: the Q read must be q[batch, query, head, c] over the three rows and the "
+                          f"contraction index, got {q_read}")
+    batch, query, head = q_read.indices[:3]
+    k_name = str(k_read.base.label)
+    k_shape = ir.tensor_args[k_name].shape
+    if len(k_read.indices) != 4 or k_read.indices[0] != batch or k_read.indices[1] != over or k_read.indices[3] != c:
+        raise BridgeError(f"{where}: the K read must be k[batch, key, kv_head, c], got {k_read}")
+    g = k_read.indices[2]
+    kv_axis = ir.axes.get(str(k_shape[2]))
+    lets = {x.symbol: x.expr for x in ir.lets}
+    g_expr = lets.get(g, g)
+    if g_expr != head and not (kv_axis is not None and g_expr == idiv(head, idiv(ir.extents[str(head)], kv_axis))):
+        raise BridgeError(f"{where}: the K read's head index must be the head or head // (H // Hk) (grouped "
+                          f"heads), got {g_expr}")
+    free = ir.indices[_only(list(acc.free), "free index of the weighted sum")]
+    v_read = _only([x for x in acc.term.atoms(sp.Indexed) if free in x.free_symbols], "V read in the weighted sum")
+    if tuple(v_read.indices) != (batch, over, g, free):
+        raise BridgeError(f"{where}: the V read must be v[batch, key, kv_head, d] with the K read's kv_head, "
+                          f"got {v_read}")
+    if ir.extents[str(free)] != ir.extents[str(c)]:
+        raise BridgeError(f"{where}: V's head dim ({ir.extents[str(free)]}) must be the q . k contraction's "
+                          f"({ir.extents[str(c)]})")
+    v_name = str(v_read.base.label)
+    if ir.tensor_args[v_name].shape[:3] != k_shape[:3]:
+        raise BridgeError(f"{where}: V {ir.tensor_args[v_name].shape} must have K's layout {k_shape}")
+    q_name = str(q_read.base.label)
+    read = {str(x.base.label) for f in a.reductions for x in f.term.atoms(sp.Indexed)}
+    read |= {str(x.base.label) for let in ir.element_lets for x in let.expr.atoms(sp.Indexed)}
+    extra = read & set(ir.tensors) - {q_name, k_name, v_name}
+    if extra:
+        raise BridgeError(f"{where}: stream_attention reads only q, k and v; this cascade also reads {sorted(extra)}")
+    ax = {
+        "batch": _axis(ir.extents[str(batch)], where, "batch"),
+        "query": _axis(ir.extents[str(query)], where, "query"),
+        "head": _axis(ir.extents[str(head)], where, "head"),
+        "key": _axis(ir.extents[ir.over], where, "key"),
+        "kv_head": str(k_shape[2]) if kv_axis is not None else _axis(ir.extents[str(head)], where, "head"),
+        "dim": _axis(ir.extents[str(c)], where, "head dim"),
+    }
+    names = {"q": q_name, "k": k_name, "v": v_name, "query_index": query, "batch_index": batch,
+             "head_index": head, "free": free}
+    return {**ax, **names}, v_read
+
+
+def key_band(a: Analysis, query: sp.Symbol, name: str, where: str):
+    """The mask as a band lo <= key < hi, each affine in the query row (or a refusal with the reason)."""
+    from . import stream_attention as sa
+
+    ir = a.ir
+    mask = ir.mask
+    if mask in (sp.true, True):
+        return None, ()
+    j = ir.indices[ir.over]
+    sq, sk = ir.extents[str(query)], ir.extents[ir.over]
+    ints = {s: n for n, s in ir.scalars.items() if s.is_integer}
+    known = {query: "r", sq: "seqlen_q", sk: "seqlen_k"}
+    atoms = mask.args if isinstance(mask, sp.And) else (mask,)
+    lo: list[sp.Expr] = []
+    hi: list[sp.Expr] = []
+    for rel in atoms:
+        if not isinstance(rel, (sp.Le, sp.Lt, sp.Ge, sp.Gt)):
+            raise BridgeError(f"{where}: the mask term {rel} is not a bound on the key index (stream_attention "
+                              f"masks a band lo(row) <= key < hi(row))")
+        if rel.atoms(sp.Indexed):
+            raise BridgeError(f"{where}: the mask term {rel} reads a tensor (e.g. per-sequence lengths); "
+                              f"stream_attention takes no per-batch bounds")
+        diff = sp.expand(rel.lhs - rel.rhs)
+        cj = diff.coeff(j)
+        rest = sp.expand(diff - cj * j)
+        bad = rest.free_symbols - set(known) - set(ints)
+        if cj not in (1, -1) or rest.has(j) or bad or not sp.Poly(rest, *sorted(rest.free_symbols, key=str) or [j]).is_linear:
+            raise BridgeError(f"{where}: the mask term {rel} is not key +- (affine in the query row, the query and "
+                              f"key lengths and int arguments)" + (f"; it reads {sorted(map(str, bad))}" if bad else ""))
+        bound = -rest / cj  # key OP bound
+        op = type(rel) if cj == 1 else {sp.Le: sp.Ge, sp.Lt: sp.Gt, sp.Ge: sp.Le, sp.Gt: sp.Lt}[type(rel)]
+        if op is sp.Le:
+            hi.append(bound + 1)
+        elif op is sp.Lt:
+            hi.append(bound)
+        elif op is sp.Ge:
+            lo.append(bound)
+        else:
+            lo.append(bound + 1)
+    hi = [h for h in hi if sp.simplify(h - sk) != 0]  # key < Sk always holds
+    lo = [x for x in lo if sp.simplify(x) != 0]  # key >= 0 always holds
+    if len(hi) > 1 or len(lo) > 1:
+        raise BridgeError(f"{where}: the mask {mask} has {len(lo)} lower and {len(hi)} upper bounds on the key; "
+                          f"stream_attention takes at most one of each")
+    used = sorted({ints[s] for b in lo + hi for s in b.free_symbols if s in ints})
+    pnames = {ir.scalars[n]: f"iparam{k}" for k, n in enumerate(used)}
+
+    def text(e: sp.Expr) -> str:
+        e = sp.expand(e)
+        const, _ = e.as_coeff_Add()
+        terms = [(e.coeff(s), known.get(s) or pnames[s]) for s in sorted(e.free_symbols, key=str)]
+        if not const.is_Integer or not all(co.is_Integer for co, _ in terms):
+            raise BridgeError(f"{where}: the mask bound {e} has non-integer coefficients")
+        out = ""
+        for co, nm in terms + [(const, "")]:
+            co = int(co)
+            if co == 0:
+                continue
+            mag = nm if abs(co) == 1 and nm else (f"{abs(co)} * {nm}" if nm else str(abs(co)))
+            out += (" - " if co < 0 else " + ") + mag
+        out = out.strip()
+        return (out[2:] if out.startswith("+ ") else "-" + out[2:]) if out else "0"
+
+    band = sa.KeyBand(name, lo=text(lo[0]) if lo else None, hi=text(hi[0]) if hi else None,
+                      params=tuple(pnames.values()))
+    return band, tuple(used)
+
+
+def _case_kind(a: Analysis, masked: bool) -> str:
+    parts = []
+    for name, value in a.ir.specialization:
+        if value is True or value == "present":
+            parts.append(name)
+        elif value not in (False, None, "absent"):
+            parts.append(str(value))
+    return "_".join(parts) or ("masked" if masked else "full")
+
+
+def _empty_values(a: Analysis, where: str) -> tuple[tuple[str, float], ...]:
+    """Each output's value for a row that sees no key: its guarded value at the states' neutral elements."""
+    ir = a.ir
+    at = {ir.states[f.name]: float(MONOIDS[f.op].neutral) for f in a.reductions}
+    out = []
+    for o in a.outputs:
+        vals = {_numeric_at(o.value, {**at, **{s: x for s in ir.scalars.values()}}) for x in (0.5, 3.0)}
+        if len(vals) != 1 or any(_math.isnan(v) for v in vals):
+            raise BridgeError(f"{where}: output {o.name} = {o.value} has no constant value for a row that sees no "
+                              f"key (give it 'empty:')")
+        out.append((o.name, vals.pop()))
+    return tuple(out)
+
+
+def attention_math(a: Analysis, kind: str | None = None):
+    """The engine's forms of an attention-shaped cascade as the template's AttentionMath, its key band (None:
+    every key) and the roles of the spec's names."""
     from . import stream_attention as sa
 
     ir = a.ir
     where = f"{ir.op} [{ir.label}]"
-    over = ir.indices[ir.over]
     forms = [f for f in a.reductions if f.stage == "stream"]
     if len(a.passes) != 1 or any(f.stage != "stream" for f in a.reductions):
         raise BridgeError(f"{where}: stream_attention runs one streaming pass")
@@ -39,35 +223,33 @@ def attention_math(a: Analysis):
     acc_s = sp.Symbol("acc_s", real=True)
     score_expr = score_let.expr.xreplace({contraction: acc_s})
     if score_expr.free_symbols - {acc_s} - set(ir.scalars.values()):
-        raise BridgeError(f"{where}: the score {score_let.expr} must be (params) x (q . k)")
-    # the V read: the factor of the carried term that depends on its free index
-    free = ir.indices[_only(list(acc.free), "free index of the weighted sum")]
-    v_reads = [x for x in acc.term.atoms(sp.Indexed) if free in x.free_symbols]
-    v_read = _only(v_reads, "V read in the weighted sum")
+        raise BridgeError(f"{where}: the score {score_let.expr} must be a function of (params) and (q . k)")
+    roles, v_read = _roles(a, contraction, acc, where)
+    free = roles["free"]
     weight = sp.simplify(acc.term / v_read)
-    if weight.has(free) or not v_read.has(over):
+    if weight.has(free):
         raise BridgeError(f"{where}: the weighted sum must be (element weight) x V[j, d], got {acc.term}")
-    mask = ir.mask
-    causal = mask not in (sp.true, True)
-    if causal:
-        i, j = ir.indices[ir.rows[1]], over
-        sq, sk = ir.extents[ir.rows[1]], ir.extents[ir.over]
-        if sp.simplify(mask.lhs - mask.rhs - (j - (i + sk - sq))) != 0 or not isinstance(mask, sp.Le):
-            raise BridgeError(f"{where}: stream_attention masks bottom-right causal (j <= i + Sk - Sq); got {mask}")
+    band, int_params = key_band(a, roles["query_index"], kind or _case_kind(a, ir.mask not in (sp.true, True)), where)
     mask_value = a.mask_value.get(score_let.symbol)
     if mask_value is None:
         raise BridgeError(f"{where}: no score value makes every term neutral (needed for masked keys)")
 
+    # the scalars the math reads, as float kernel arguments fparam0, fparam1, ... (in argument order)
+    math_exprs = [score_expr, weight, acc.correction] + [f.term for f in states] + [f.correction for f in states]
+    math_exprs += [o.value for o in a.outputs]
+    used = set().union(*[e.free_symbols for e in math_exprs if isinstance(e, sp.Basic)])
+    float_params = tuple(n for n, s in ir.scalars.items() if s in used)
+    pnames = {ir.scalars[n]: f"fparam{k}" for k, n in enumerate(float_params)}
+
     # names: the template's contexts
     st = {f.name: a.symbols[f.name] for f in states}
     guards = {g.state: g for g in a.guards}
-    base: dict[sp.Basic, str] = {score_let.symbol: "s"}
-    base.update({s: n for n, s in ir.scalars.items()})
+    base: dict[sp.Basic, str] = {score_let.symbol: "s", **pnames}
     loop = dict(base)
-    for name, roles in st.items():
-        loop[roles["old"]] = f"{name}_old"
-        loop[roles["new"]] = f"{name}_new"
-        loop[roles["new_safe"]] = f"{name}_safe" if name in guards else f"{name}_new"
+    for name, rl in st.items():
+        loop[rl["old"]] = f"{name}_old"
+        loop[rl["new"]] = f"{name}_new"
+        loop[rl["new_safe"]] = f"{name}_safe" if name in guards else f"{name}_new"
     tl = TLPrinter(loop, where)
     row_states = []
     for f in states:
@@ -85,16 +267,16 @@ def attention_math(a: Analysis):
     out_names[ir.states[acc.name]] = "o"
     outs = {o.name: o for o in a.outputs}
     by_layout = {o.index: o for o in a.outputs}
-    rows = tuple(ir.rows)
-    out_o = by_layout.get(rows[:3] + (acc.free[0],)) if len(rows) == 3 else None
-    out_lse = by_layout.get((rows[0], rows[2], rows[1]))
+    b_, i_, h_ = (str(roles[x]) for x in ("batch_index", "query_index", "head_index"))
+    out_o = by_layout.get((b_, i_, h_, acc.free[0]))
+    out_lse = by_layout.get((b_, h_, i_))
     if out_o is None or out_lse is None or len(outs) != 2:
-        raise BridgeError(f"{where}: outputs must be out (B, Sq, H, D) and lse (B, H, Sq)")
+        raise BridgeError(f"{where}: outputs must be out (batch, query, head, d) and lse (batch, head, query)")
     merge_names = dict(base)
-    for name, roles in st.items():
-        merge_names[roles["old"]] = f"{name}_seg"
-        merge_names[roles["new_safe"]] = f"{name}_safe" if name in guards else name
-        merge_names[roles["new"]] = name
+    for name, rl in st.items():
+        merge_names[rl["old"]] = f"{name}_seg"
+        merge_names[rl["new_safe"]] = f"{name}_safe" if name in guards else name
+        merge_names[rl["new"]] = name
     o_seg = sp.Symbol("o__seg")
     merge_states = []
     for f in states:
@@ -108,7 +290,7 @@ def attention_math(a: Analysis):
     merge_guards = [sa.Guard(f"{n}_safe", TLPrinter({st[n]["new"]: n}, where)(g.apply(st[n]["new"])))
                     for n, g in guards.items()]
     math = sa.AttentionMath(
-        score=TLPrinter({acc_s: "acc_s", **{s: n for n, s in ir.scalars.items()}}, where)(score_expr),
+        score=TLPrinter({acc_s: "acc_s", **pnames}, where)(score_expr),
         mask_value=TLPrinter({}, where)(mask_value),
         states=tuple(row_states),
         guards=tuple(guard_list),
@@ -119,9 +301,15 @@ def attention_math(a: Analysis):
         merge=sa.MergeForm(tuple(merge_states), tuple(merge_guards),
                            TLPrinter({**merge_names, o_seg: "o_seg"}, where)(o_seg * acc.correction)
                            if acc.kind == "*" else "o_seg"),
-        params=tuple(ir.scalars),
+        params=tuple(pnames.values()),
     )
-    return math, causal
+    binding = AttentionRoles(
+        q=roles["q"], k=roles["k"], v=roles["v"], out=out_o.name, lse=out_lse.name,
+        batch=roles["batch"], query=roles["query"], head=roles["head"], key=roles["key"],
+        kv_head=roles["kv_head"], dim=roles["dim"], float_params=float_params, int_params=int_params,
+        empty=_empty_values(a, where),
+    )
+    return math, band, binding
 
 
 def attention_plan(spec: OpSpec, op: OpAnalysis, families: list[str]) -> Plan:
@@ -130,18 +318,28 @@ def attention_plan(spec: OpSpec, op: OpAnalysis, families: list[str]) -> Plan:
     cv = spec.variants.cuda
     static = dict(cv.static)
     plan = Plan(families=tuple(families))
-    maths = {}
+    cases = []
     for a in op.cases:
-        math, causal = attention_math(a)
-        maths[causal] = math
+        spec_vals = dict(a.ir.specialization)
+        if any(n in static and v not in static[n] for n, v in spec_vals.items()):
+            continue  # a specialisation the spec does not compile for CUDA
+        math, band, roles = attention_math(a)
+        cases.append((a, math, band, roles))
+    if not cases:
+        raise BridgeError(f"{spec.name}: the cuda static values {static} leave no specialisation to compile")
+    roles = cases[0][3]
+    if any(c[3] != roles for c in cases):
+        raise BridgeError(f"{spec.name}: the specialisations bind different names to the template's roles")
+    kinds = [(band.name if band else "full") for _, _, band, _ in cases]
+    if len(set(kinds)) != len(kinds):
+        raise BridgeError(f"{spec.name}: two specialisations would share the variant name part {kinds}")
     entries = []
     for fam in families:
         for dtype in cv.dtypes:
-            for D in static.get("D", sa.HEAD_DIMS):
-                for causal in static.get("causal", (False, True)):
-                    math = maths[bool(causal)]
-                    cfg = sa.default_config(fam, dtype, D, bool(causal))
-                    scfg = sa.default_config(fam, dtype, D, bool(causal), split_kv=True)
+            for D in static.get(roles.dim, sa.HEAD_DIMS):
+                for a, math, band, _ in cases:
+                    cfg = sa.default_config(fam, dtype, D, band is not None, band=band)
+                    scfg = sa.default_config(fam, dtype, D, band is not None, split_kv=True, band=band)
                     fwd = cfg.variant_name(spec.name)
                     split = scfg.variant_name(spec.name)
                     comb = scfg.combine_variant_name(spec.name)
@@ -150,32 +348,44 @@ def attention_plan(spec: OpSpec, op: OpAnalysis, families: list[str]) -> Plan:
                     plan.jobs.append(Job(split, fam, sa.emit_attention_program(math, scfg, split), hdr))
                     if not any(j.symbol == comb for j in plan.jobs):
                         plan.jobs.append(Job(comb, fam, sa.emit_combine_program(math, scfg, comb), hdr))
-                    entries.append((fam, dtype, D, bool(causal), cfg, fwd, split, comb,
+                    conds = [flag_test(spec, n, v, lambda x: f"A.{x}" if x.startswith("has_") else f"A.f_{x}")
+                             for n, v in a.ir.specialization]
+                    entries.append((fam, dtype, D, conds, cfg, fwd, split, comb,
                                     1 if sa.uses_tma(cfg) else 8, len(math.states)))
     plan.entries = entries  # type: ignore[attr-defined]
+    plan.roles = roles  # type: ignore[attr-defined]
     plan.support = ["", sa.NUM_SPLITS_CPP]  # type: ignore[attr-defined]
     return plan
 
 
 def attention_body(spec: OpSpec, plan: Plan, lowered: dict[str, dict]) -> list[str]:
     """impl_cuda: checks the kernels rely on, the split heuristic, one launch per variant."""
-    q, k, v = (t.name for t in spec.tensors[:3])
-    o_name, lse_name = (o.name for o in spec.outputs)
+    r: AttentionRoles = plan.roles  # type: ignore[attr-defined]
+    q, k, v = r.q, r.k, r.v
+    sz = {role: f"A.sz_{getattr(r, role)}" for role in ("batch", "query", "head", "key", "kv_head", "dim")}
     fams = ", ".join(f'"{f}"' for f in plan.families)
+    dims = sorted({e[2] for e in plan.entries})  # type: ignore[attr-defined]
+    empty = []
+    for name, value in r.empty:
+        if value == 0:
+            empty.append(f"    torch::stable::zero_(c.{name});")
+        else:
+            lit = ("std::numeric_limits<double>::infinity()" if _math.isinf(value) else repr(value))
+            empty.append(f"    torch::stable::fill_(c.{name}, {'-' if value < 0 and _math.isinf(value) else ''}{lit});")
     L = [
         "Args& A = c.A;",
         f"redfuser::CudaContext ctx(kOp, {q}, {{{fams}}});",
         "const std::string fam = ctx.family();",
         "do {",
-        "  if (A.sz_B == 0 || A.sz_Sq == 0 || A.sz_H == 0) break;  // nothing to compute",
-        "  if (A.sz_Sk == 0) {  // every row sees no key",
-        f"    torch::stable::zero_(c.{o_name});",
-        f"    torch::stable::fill_(c.{lse_name}, -std::numeric_limits<double>::infinity());",
+        f"  if ({sz['batch']} == 0 || {sz['query']} == 0 || {sz['head']} == 0) break;  // nothing to compute",
+        f"  if ({sz['key']} == 0) {{  // every row sees no key",
+        *empty,
         "    break;",
         "  }",
         f"  const ScalarType dt = {q}.scalar_type();",
-        "  const int64_t D = A.sz_D;",
-        "  check(D == 64 || D == 128 || D == 256, kOp, \"on CUDA the head dim must be 64, 128 or 256, got \", D);",
+        f"  const int64_t D = {sz['dim']};",
+        (f"  check({' || '.join(f'D == {d}' for d in dims)}, kOp, \"on CUDA the head dim must be "
+         f"{', '.join(map(str, dims))}, got \", D);"),
         "  // the kernels read q/k/v through strides: last dim contiguous, other strides multiples of 8",
         "  // elements, 16-byte aligned data; anything else is copied to a contiguous tensor first",
         "  auto fits = [&](const Tensor& t) {",
@@ -191,33 +401,40 @@ def attention_body(spec: OpSpec, plan: Plan, lowered: dict[str, dict]) -> list[s
         f"  const Tensor qq = fits({q}) ? {q} : dense_copy({q});",
         f"  const Tensor kk = fits({k}) ? {k} : dense_copy({k});",
         f"  const Tensor vv = fits({v}) ? {v} : dense_copy({v});",
-        "  for (int64_t s : {A.sz_B, A.sz_Sq, A.sz_Sk, A.sz_H, A.sz_Hk})",
+        f"  for (int64_t s : {{{sz['batch']}, {sz['query']}, {sz['key']}, {sz['head']}, {sz['kv_head']}}})",
         "    check(s < (int64_t(1) << 31), kOp, \"sizes must fit in int32\");",
+    ]
+    for n in r.int_params:
+        L.append(f"  check(A.p_{n} >= -(int64_t(1) << 30) && A.p_{n} < (int64_t(1) << 30), kOp, "
+                 f"\"{n} must fit in int32 on CUDA, got \", A.p_{n});")
+    L += [
         "  const int32_t sms = redfuser::device_sm_count(kOp, ctx.device());",
-        "  const float scale = static_cast<float>(A.p_softmax_scale);",
         "  bool launched = false;",
     ]
-    for fam, dtype, D, causal, cfg, fwd, split, comb, unit, nst in plan.entries:  # type: ignore[attr-defined]
-        cond = (f'fam == "{fam}" && dt == {SCALAR_TYPES[dtype]} && D == {D} && '
-                f"A.f_causal == {'true' if causal else 'false'}")
+    params = {f"fparam{i}": f"static_cast<float>(A.p_{n})" for i, n in enumerate(r.float_params)}
+    params.update({f"iparam{i}": f"A.p_{n}" for i, n in enumerate(r.int_params)})
+    for fam, dtype, D, conds, cfg, fwd, split, comb, unit, nst in plan.entries:  # type: ignore[attr-defined]
+        cond = " && ".join([f'fam == "{fam}"', f"dt == {SCALAR_TYPES[dtype]}", f"D == {D}", *conds])
         strides = {f"{t}_{s}": f"{x}.stride({d}) / {unit}" for t, x in (("q", "qq"), ("k", "kk"), ("v", "vv"))
                    for s, d in (("sb", 0), ("ss", 1), ("sh", 2))}
-        dims = {"batch": "A.sz_B", "seqlen_q": "A.sz_Sq", "heads": "A.sz_H", "seqlen_k": "A.sz_Sk",
-                "heads_kv": "A.sz_Hk", "softmax_scale": "scale", "num_splits": "ns"}
+        dims_ = {"batch": sz["batch"], "seqlen_q": sz["query"], "heads": sz["head"], "seqlen_k": sz["key"],
+                 "heads_kv": sz["kv_head"], "num_splits": "ns"}
         ptrs = {"Q": "const_cast<void*>(qq.const_data_ptr())", "K": "const_cast<void*>(kk.const_data_ptr())",
                 "V": "const_cast<void*>(vv.const_data_ptr())",
-                "O": f"c.{o_name}.mutable_data_ptr()", "LSE": f"c.{lse_name}.mutable_data_ptr()",
+                "O": f"c.{r.out}.mutable_data_ptr()", "LSE": f"c.{r.lse}.mutable_data_ptr()",
                 "Opart": "opart.mutable_data_ptr()", "Spart": "spart.mutable_data_ptr()"}
-        args = {**strides, **dims, **ptrs}
+        args = {**strides, **dims_, **ptrs, **params}
         L += [
             f"  if ({cond}) {{",
-            (f"    const int ns = choose_num_splits(A.sz_B, A.sz_H, A.sz_Sq, A.sz_Sk, {cfg.block_m}, "
-             f"{cfg.block_n}, sms);"),
+            (f"    const int ns = choose_num_splits({sz['batch']}, {sz['head']}, {sz['query']}, {sz['key']}, "
+             f"{cfg.block_m}, {cfg.block_n}, sms);"),
             "    if (ns <= 1) {",
             f"      redfuser::launch(kV_{fwd}, ctx, [&](void* s) {{ return {launch_call(fwd, lowered[fwd]['params'], args)}; }});",
             "    } else {",
-            "      Tensor opart = torch::stable::new_empty(qq, {ns, A.sz_B, A.sz_Sq, A.sz_H, A.sz_D}, ScalarType::Float);",
-            f"      Tensor spart = torch::stable::new_empty(qq, {{{nst}, ns, A.sz_B, A.sz_H, A.sz_Sq}}, ScalarType::Float);",
+            (f"      Tensor opart = torch::stable::new_empty(qq, {{ns, {sz['batch']}, {sz['query']}, {sz['head']}, "
+             f"{sz['dim']}}}, ScalarType::Float);"),
+            (f"      Tensor spart = torch::stable::new_empty(qq, {{{nst}, ns, {sz['batch']}, {sz['head']}, "
+             f"{sz['query']}}}, ScalarType::Float);"),
             f"      redfuser::launch(kV_{split}, ctx, [&](void* s) {{ return {launch_call(split, lowered[split]['params'], args)}; }});",
             f"      redfuser::launch(kV_{comb}, ctx, [&](void* s) {{ return {launch_call(comb, lowered[comb]['params'], args)}; }});",
             "    }",

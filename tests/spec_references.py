@@ -1,0 +1,31 @@
+"""References of the ops made only of their YAML spec (specs/*.yaml that redfuser_ops names nowhere), written from
+their meaning in plain torch, one per op. `dtype=torch.float64` gives the reference a result is judged against; the
+op's own low-precision dtype gives the "plain" implementation a user would write (ACCEPTANCE.md's rule).
+Shipped ops keep theirs in redfuser_ops/reference.py."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def sliding_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, softcap: float = 50.0,
+                             softmax_scale: float | None = None,
+                             dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
+    """Query i sees keys i + Sk - Sq - window < j <= i + Sk - Sq; scores softcap * tanh(scale * q.k / softcap).
+    out (B, Sq, H, D), lse (B, H, Sq); a row that sees no key gives out 0 and lse -inf."""
+    _, Sq, H, D = q.shape
+    Sk, Hk = k.shape[1], k.shape[2]
+    scale = D**-0.5 if softmax_scale is None else softmax_scale
+    qd = q.to(dtype).transpose(1, 2)
+    kd = k.to(dtype).transpose(1, 2).repeat_interleave(H // Hk, dim=1)
+    vd = v.to(dtype).transpose(1, 2).repeat_interleave(H // Hk, dim=1)
+    s = softcap * torch.tanh((qd @ kd.transpose(-1, -2)) * scale / softcap)
+    i = torch.arange(Sq, device=q.device)[:, None]
+    j = torch.arange(Sk, device=q.device)[None, :]
+    diag = i + Sk - Sq
+    s = s.masked_fill((j > diag) | (j <= diag - window), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None])
+    p = torch.where(torch.isfinite(lse)[..., None], p, torch.zeros((), dtype=p.dtype, device=p.device))
+    return (p @ vd).transpose(1, 2), lse
