@@ -158,7 +158,7 @@ def window_attention():
 def test_sliding_window_band_is_read_from_the_mask(window_attention):
     _, band, roles = window_attention
     # j <= i + Sk - Sq and j > i + Sk - Sq - window: two affine bounds, the window an int kernel argument
-    assert band.hi == "seqlen_k - seqlen_q + r + 1" and band.lo == "seqlen_k - seqlen_q + r - iparam0 + 1"
+    assert band.hi == "r - seqlen_q + seqlen_k + 1" and band.lo == "r - seqlen_q + seqlen_k - iparam0 + 1"
     assert band.params == ("iparam0",) and roles.int_params == ("window",)
     assert roles.float_params == ("softcap", "softmax_scale")
     assert dict(roles.empty) == {"out": 0.0, "lse": -np.inf}

@@ -209,7 +209,8 @@ class _Glue:
         for ch, expr in zip(spec.checks, ir.checks):
             if expr is sp.true:  # holds for every size (e.g. D >= 1 for a positive axis)
                 continue
-            names = sorted({s.name for s in expr.free_symbols})
+            order = [x.name for x in spec.axes] + [x.name for x in spec.args]  # spec order: renaming keeps it
+            names = sorted({s.name for s in expr.free_symbols}, key=order.index)
             values = ", \", \", ".join(f"\"{n} = \", {self.pr(ir.axes.get(n, ir.scalars.get(n)))}" for n in names)
             L.append(f"  check({self.pr(expr)}, kOp, \"{ch.message} (\", {values}, \")\");")
         # pointers and strides of inputs

@@ -162,7 +162,9 @@ def key_band(a: Analysis, query: sp.Symbol, name: str, where: str):
     def text(e: sp.Expr) -> str:
         e = sp.expand(e)
         const, _ = e.as_coeff_Add()
-        terms = [(e.coeff(s), known.get(s) or pnames[s]) for s in sorted(e.free_symbols, key=str)]
+        # in the template's order of names (never the spec's), so that renaming the spec leaves the text alone
+        order = ["r", "seqlen_q", "seqlen_k", *pnames.values()]
+        terms = sorted(((e.coeff(s), known.get(s) or pnames[s]) for s in e.free_symbols), key=lambda t: order.index(t[1]))
         if not const.is_Integer or not all(co.is_Integer for co, _ in terms):
             raise BridgeError(f"{where}: the mask bound {e} has non-integer coefficients")
         out = ""
