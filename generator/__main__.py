@@ -1,7 +1,8 @@
 """python -m generator explain|check|emit ...
 
 explain SPEC...     print each reduction's classification and the derived fused, online and merge forms
-check [DIR|SPEC...] analyse every spec (default: specs/) and self-check its forms numerically; exit 1 on failure
+check [DIR|SPEC...] analyse every spec (default: specs/), self-check its forms numerically and run the code
+                    generators on it (CPU kernels, glue, Python API, CUDA template choice); exit 1 on failure
 emit --out DIR      generate the sources of every spec for the build (see generator/codegen)
 """
 
@@ -11,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .codegen.emit import emitter_problems
 from .errors import FusionError, SpecError
 from .explain import explain
 from .spec import load_spec, spec_files
@@ -34,7 +36,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
     status = 0
     for path in _paths(args.specs):
         try:
-            sys.stdout.write(explain(analyze(load_spec(path))) + "\n")
+            op = analyze(load_spec(path))
+            sys.stdout.write(explain(op))
+            from .codegen.cuda import (
+                template_report,  # the bridges' verdicts (no TileLang needed)
+            )
+
+            sys.stdout.write("\n".join(template_report(op.spec, op)) + "\n\n")
         except (SpecError, FusionError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             status = 1
@@ -50,7 +58,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"FAIL {path}: {exc}")
             status = 1
             continue
-        problems = []
+        problems = emitter_problems(op)  # what the build's code generators make of the spec
         for case in op.cases:
             problems += [f"[{case.ir.label}] {p}" for p in self_check(case, seed=args.seed, trials=args.trials)]
         if problems:

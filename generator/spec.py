@@ -201,7 +201,7 @@ class Cascade:
 
 @dataclass(frozen=True)
 class CudaVariants:
-    template: str
+    template: str  # "": the generator picks the first template that accepts the cascade
     families: tuple[str, ...]
     dtypes: tuple[str, ...]
     static: tuple[tuple[str, tuple[Any, ...]], ...]
@@ -225,7 +225,6 @@ class OpSpec:
     outputs: tuple[Output, ...]
     cascade: Cascade
     variants: Variants
-    schedule: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]
     loc: Loc
 
     @property
@@ -241,9 +240,6 @@ class OpSpec:
             if a.name == name:
                 return a
         raise KeyError(name)
-
-    def schedule_for(self, key: str) -> dict[str, Any]:
-        return dict(dict(self.schedule).get(key, ()))
 
 
 # --------------------------------------------------------------------------------------------- validation
@@ -438,7 +434,7 @@ def _variants(ctx: _Ctx, node: Any, first_dtypes: tuple[str, ...]) -> Variants:
     if "cuda" in node:
         c = node["cuda"]
         p = "variants.cuda"
-        ctx.mapping(c, p, ("template", "families", "dtype"), ("static",))
+        ctx.mapping(c, p, ("families", "dtype"), ("template", "static"))
         fams = tuple(c["families"])
         for f in fams:
             if f not in FAMILIES:
@@ -454,16 +450,8 @@ def _variants(ctx: _Ctx, node: Any, first_dtypes: tuple[str, ...]) -> Variants:
             if not isinstance(vals, list) or not vals:
                 raise SpecError(ctx.loc(static, k, f"{p}.static"), "expected a non-empty list of values")
             st.append((str(k), tuple(vals)))
-        cuda = CudaVariants(str(c["template"]), fams, dts, tuple(st), ctx.at(c, p))
+        cuda = CudaVariants(str(c.get("template", "")), fams, dts, tuple(st), ctx.at(c, p))
     return Variants(cpu_dtypes, cuda)
-
-
-def _freeze(value: Any) -> Any:
-    if isinstance(value, dict):
-        return tuple((str(k), _freeze(v)) for k, v in value.items())
-    if isinstance(value, list):
-        return tuple(_freeze(v) for v in value)
-    return value
 
 
 def parse_spec(text: str, file: str = "<spec>") -> OpSpec:
@@ -481,6 +469,9 @@ def parse_spec(text: str, file: str = "<spec>") -> OpSpec:
     ctx = _Ctx(file)
     ctx.mapping(root, "", ("op", "args", "outputs", "cascade"),
                 ("summary", "axes", "checks", "variants", "schedule"))
+    if "schedule" in root:
+        raise SpecError(ctx.loc(root, "schedule", ""), "'schedule:' is gone: each kernel template chooses its tiles "
+                        "per arch family (generator/codegen/templates); remove the block")
     name = root["op"]
     if not isinstance(name, str) or not _NAME.match(name):
         raise SpecError(ctx.loc(root, "op", ""), "op must be a valid name")
@@ -499,8 +490,6 @@ def parse_spec(text: str, file: str = "<spec>") -> OpSpec:
         raise SpecError(cascade.loc, f"indices {sorted(clash)} clash with axis or argument names")
     first_dtypes = tensors[0].dtypes
     variants = _variants(ctx, root.get("variants", _Node()), first_dtypes)
-    schedule = root.get("schedule", {})
-    ctx.mapping(schedule, "schedule")
     return OpSpec(
         name=name,
         summary=" ".join(str(root.get("summary", "")).split()),
@@ -511,7 +500,6 @@ def parse_spec(text: str, file: str = "<spec>") -> OpSpec:
         outputs=outputs,
         cascade=cascade,
         variants=variants,
-        schedule=_freeze(schedule),
         loc=Loc(file, 1, "op"),
     )
 

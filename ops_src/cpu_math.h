@@ -231,6 +231,8 @@ template <>
 constexpr ScalarType scalar_type_of<e4m3_t>() { return ScalarType::Float8_e4m3fn; }
 template <>
 constexpr ScalarType scalar_type_of<int32_t>() { return ScalarType::Int; }
+template <>
+constexpr ScalarType scalar_type_of<int64_t>() { return ScalarType::Long; }
 
 // f(type_tag<T>{}) for the one T among Allowed whose ScalarType is t; only those are instantiated.
 template <class... Allowed, class F>

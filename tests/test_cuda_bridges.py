@@ -231,3 +231,35 @@ def test_masks_as_bands_or_refusals(mask, band, why):
         return
     _, got, _ = attention_math(op.cases[0])
     assert (got.lo, got.hi) == band
+
+
+# ---- template choice: a spec's cuda section may omit `template:`
+def test_generator_picks_the_first_template_that_accepts():
+    from generator.codegen.cuda import choose_template, template_report
+
+    spec = load_spec(ROOT / "specs" / "sliding_window_attention.yaml")
+    assert spec.variants.cuda.template == ""
+    op = derive(spec)
+    name, plan, refused = choose_template(spec, op, ["sm90a"])
+    assert name == "stream_attention" and refused == {} and plan.jobs
+    text = (ROOT / "specs" / "moe_route.yaml").read_text().replace("    template: resident_row\n", "")
+    moe = parse_spec(text, "moe_route.yaml")
+    name, plan, refused = choose_template(moe, derive(moe), ["sm80"])
+    assert name == "resident_row" and "stream_attention runs one streaming pass" in refused["stream_attention"]
+    assert template_report(moe, derive(moe))[0] == "cuda: template resident_row (the first template that accepts the cascade)"
+    text = (ROOT / "tests" / "specs" / "logsumexp.yaml").read_text()
+    lse = parse_spec(text + "variants:\n  cuda: {families: [sm80], dtype: [float32]}\n", "logsumexp.yaml")
+    name, plan, refused = choose_template(lse, derive(lse), ["sm80"])
+    assert name is None and "(rows, k) outputs; out has shape (T)" in refused["resident_row"]
+    assert "weighted sum carried over a free index" in refused["stream_attention"]
+    mla = load_spec(ROOT / "specs" / "mla_decode.yaml")
+    name, plan, refused = choose_template(mla, derive(mla), ["sm90a"])
+    assert name is None and plan is None and "no template of this name" in refused["paged_attention"]
+
+
+def test_schedule_block_is_gone():
+    from generator.errors import SpecError
+
+    text = (ROOT / "tests" / "specs" / "logsumexp.yaml").read_text() + "schedule: {sm80: {block_m: 64}}\n"
+    with pytest.raises(SpecError, match="'schedule:' is gone"):
+        parse_spec(text, "logsumexp.yaml")

@@ -34,6 +34,7 @@ CPP_TYPES = {
     "bfloat16": "rf::bf16_t",
     "float8_e4m3fn": "rf::e4m3_t",
     "int32": "int32_t",
+    "int64": "int64_t",
 }
 
 

@@ -17,6 +17,7 @@ import importlib.util
 import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from .. import __version__
@@ -119,19 +120,58 @@ def _variant_object(symbol: str, op: str, family: str) -> str:
 TEMPLATES = {"stream_attention": (attention_plan, attention_body), "resident_row": (row_plan, row_body)}
 
 
+def choose_template(spec: OpSpec, op: OpAnalysis, families: list[str]) -> tuple[str | None, Plan | None, dict]:
+    """The template of a spec's CUDA variants and its plan: the one its `template:` names, or else the first in
+    ``TEMPLATES`` whose bridge accepts the cascade. Also returns why each template tried refused (name -> reason)."""
+    cv = spec.variants.cuda
+    names = [cv.template] if cv.template else list(TEMPLATES)
+    refused: dict[str, str] = {}
+    for name in names:
+        if name not in TEMPLATES:
+            refused[name] = "no template of this name in this generator yet"
+            continue
+        try:
+            return name, TEMPLATES[name][0](spec, op, families), refused
+        except ValueError as exc:  # BridgeError, or a formula a template cannot print
+            refused[name] = str(exc)
+    return None, None, refused
+
+
+def template_report(spec: OpSpec, op: OpAnalysis) -> list[str]:
+    """What `explain` prints about a spec's CUDA variants: the template they use and why each other refused."""
+    cv = spec.variants.cuda
+    if cv is None:
+        return ["cuda: no variants.cuda section: CPU only"]
+    name, _, refused = choose_template(spec, op, list(cv.families))
+    verdicts = dict(refused)
+    for other in TEMPLATES:  # the verdict of every template, also those after the chosen one
+        if other not in verdicts and other != name:
+            verdicts[other] = choose_template(replace(spec, variants=replace(
+                spec.variants, cuda=replace(cv, template=other))), op, list(cv.families))[2].get(other, "accepts")
+    how = "named by the spec" if cv.template else "the first template that accepts the cascade"
+    out = [f"cuda: template {name} ({how})" if name else "cuda: no template accepts the cascade: CPU only"]
+    out += [f"  {t}: {'refused: ' + why if why != 'accepts' else 'accepts too'}" for t, why in verdicts.items()]
+    return out
+
+
 def cuda_for_op(spec: OpSpec, op: OpAnalysis, families: list[str], out_dir: Path, jobs: int,
                 log: Callable[[str], None]) -> tuple[CudaGlue | None, dict[str, list[Path]]]:
     cv = spec.variants.cuda
     fams = [f for f in families if f in cv.families]
-    if cv.template not in TEMPLATES:
-        log(f"{spec.name}: no kernel template '{cv.template}' in this generator yet: CPU only")
-        return None, {}
     if not fams:
         log(f"{spec.name}: none of the requested families {families} is supported ({cv.families}): CPU only")
         return None, {}
-    make_plan, make_body = TEMPLATES[cv.template]
-    plan = make_plan(spec, op, fams)
-    log(f"{spec.name}: {len(plan.jobs)} CUDA variant(s) from template {cv.template}")
+    name, plan, refused = choose_template(spec, op, fams)
+    if name is None:
+        why = "; ".join(f"{t}: {r}" for t, r in refused.items())
+        if cv.template and cv.template not in TEMPLATES:
+            log(f"{spec.name}: no kernel template '{cv.template}' in this generator yet: CPU only")
+            return None, {}
+        raise BridgeError(f"{spec.file}: no CUDA kernel template accepts {spec.name} ({why}); remove its "
+                          f"variants.cuda section to build it for the CPU only")
+    make_body = TEMPLATES[name][1]
+    log(f"{spec.name}: {len(plan.jobs)} CUDA variant(s) from template {name}"
+        + ("" if cv.template else " (chosen: the first template that accepts the cascade)"))
     lowered = lower_all(plan.jobs, Path(out_dir), jobs, log)
     body = make_body(spec, plan, lowered)
     decl = declarations(lowered) + [""] + [_variant_object(s, spec.name, i["family"]) for s, i in sorted(lowered.items())]
@@ -143,4 +183,4 @@ def cuda_for_op(spec: OpSpec, op: OpAnalysis, families: list[str], out_dir: Path
     return glue, files
 
 
-__all__ = ["TEMPLATES", "BridgeError", "Job", "Plan", "attention_math", "cuda_for_op", "lower_all", "row_program"]
+__all__ = ["TEMPLATES", "BridgeError", "Job", "Plan", "attention_math", "choose_template", "cuda_for_op", "lower_all", "row_program", "template_report"]

@@ -135,10 +135,13 @@ class _RowBridge:
             name = str(ix.base.label)
             if name not in self.ir.tensors or ix in self.names:
                 continue
-            if ix.indices[-1] != over or len(ix.indices) != 1:
+            row_element = (len(ix.indices) == 2 and ix.indices == (self.ir.indices[self.ir.rows[0]], over)
+                           and len(self.ir.rows) == 1 and name == self.spec.tensors[0].name)
+            if not row_element and (ix.indices[-1] != over or len(ix.indices) != 1):
                 raise self.fail(f"read {ix} is neither a row element nor a per-element vector")
-            if name not in self.loaded:
-                self.steps.append(rr.Load(f"ld_{name}", name, fill="0.0"))
+            if name not in self.loaded:  # a row element read in place, as an element let is (masked: -inf)
+                fill = "-T.infinity('float32')" if row_element else "0.0"
+                self.steps.append(rr.Load(f"ld_{name}", name, fill=fill))
                 self.loaded[name] = f"ld_{name}"
             self.names[ix] = self.loaded[name]
 
@@ -236,6 +239,10 @@ def row_program(spec: OpSpec, op: OpAnalysis):
     """All specialisations of a row cascade as one step program, branching at run time on the flags."""
     from . import resident_row as rr
 
+    for o in spec.outputs:
+        if len(o.shape) != 2:
+            raise BridgeError(f"{spec.name}: resident_row writes (rows, k) outputs; {o.name} has shape "
+                              f"({', '.join(o.shape)}) (a long-row template for per-row results is not written yet)")
     flags = [n for n, _ in op.cases[0].ir.specialization]
     per_case = {tuple(v for _, v in a.ir.specialization): _RowBridge(spec, a).build() for a in op.cases}
 

@@ -241,8 +241,8 @@ def default_config(family: str, dtype: str, head_dim: int, causal: bool, split_k
         raise ValueError(f"unsupported head_dim {head_dim}; expected one of {HEAD_DIMS}")
     bm, bn, threads, stages = _TILES[(family, head_dim)]
     cfg = AttentionConfig(family, dtype, head_dim, causal, bm, bn, threads, stages, split_kv, band=band)
-    if split_kv and uses_tma(cfg):
-        # the segment bounds push the producer's TMA loop past 24 registers (5 spills seen)
+    if (split_kv or (cfg.key_band is not None and cfg.key_band.lo is not None)) and uses_tma(cfg):
+        # the segment bounds, or a band's lower bound, push the producer's TMA loop past 24 registers (5 spills seen)
         cfg = dataclasses.replace(cfg, producer_regs=40, consumer_regs=232)
     return cfg
 
