@@ -42,9 +42,13 @@ RULES: tuple[Rule, ...] = (
     # the merge kernels of split-KV: read partial (o, lse) rows, no GEMM, no tiles by TMA
     Rule("fused_attention_combine__*__sm90a", "merge", why="merge of split-KV partial states: plain loads, no GEMM"),
     Rule("mla_decode_combine__*__sm90a", "merge", why="merge of split-KV partial states: plain loads, no GEMM"),
+    Rule("sliding_window_attention_combine__*__sm90a", "merge",
+         why="merge of split-KV partial states: plain loads, no GEMM"),
     # attention forward, with or without split-KV: QK^T and PV on warpgroup MMA, Q/K/V tiles by TMA
     Rule("fused_attention__*__sm90a", "attention", require=("HGMMA", "UTMALDG"),
          why="QK^T and PV on WGMMA; Q, K, V tiles by TMA"),
+    Rule("sliding_window_attention__*__sm90a", "attention", require=("HGMMA", "UTMALDG"),
+         why="banded mask + tanh soft-capping (specs/sliding_window_attention.yaml): WGMMA, tiles by TMA"),
     Rule("mla_decode__*__sm90a", "attention", require=("HGMMA", "UTMALDG"),
          why="paged latent attention: WGMMA, KV pages by TMA"),
     # fp8 GEMM with online per-token quantisation: fp8 warpgroup MMA, w tiles by TMA

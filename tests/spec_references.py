@@ -29,3 +29,19 @@ def sliding_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, softc
     p = torch.exp(s - lse[..., None])
     p = torch.where(torch.isfinite(lse)[..., None], p, torch.zeros((), dtype=p.dtype, device=p.device))
     return (p @ vd).transpose(1, 2), lse
+
+
+def softmax_cross_entropy(logits: Tensor, target: Tensor, label_smoothing: float = 0.0, ignore_index: int = -100,
+                          dtype: torch.dtype = torch.float64) -> Tensor:
+    """loss[t] = (1 - eps) * (lse_t - x[t, target_t]) + eps * (lse_t - mean_e x[t, e]); 0 where target == ignore."""
+    x = logits.to(dtype)
+    lse = torch.logsumexp(x, dim=-1)
+    ignored = target == ignore_index
+    picked = x.gather(-1, torch.where(ignored, 0, target).long()[:, None])[:, 0]
+    loss = (1 - label_smoothing) * (lse - picked) + label_smoothing * (lse - x.mean(dim=-1))
+    return torch.where(ignored, torch.zeros((), dtype=dtype), loss)
+
+
+def logsumexp(x: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+    """log(sum_e exp(x[t, e])) per row."""
+    return torch.logsumexp(x.to(dtype), dim=-1)

@@ -130,8 +130,10 @@ def test_loop_bounds_in_the_emitted_program():
     # never zero iterations (an empty q-block or segment runs one fully masked tile)
     assert "t_stop = T.max(t_end, t_begin + 1)" in text
     assert "for kt in T.Pipelined(t_begin, t_stop, num_stages=2):" in text
-    # causal: bottom-right alignment, tiles past the block's last visible key are not visited
-    assert "kv_end = T.max(T.min(seqlen_k, q0 + 128 + seqlen_k - seqlen_q), 0)" in text
+    # causal: bottom-right alignment, tiles past the block's last visible key are not visited (the band's bounds at
+    # the block's first and last row)
+    assert ("kv_end = T.max(T.min(seqlen_k, T.max(q0 + 1 + seqlen_k - seqlen_q, q0 + 127 + 1 + seqlen_k - "
+            "seqlen_q)), 0)") in text
     assert "T.min(seqlen_k, q0 + i + 1 + seqlen_k - seqlen_q)" in text
     # heaviest q-blocks first; GQA by index mapping
     assert "q_blk = T.ceildiv(seqlen_q, 128) - 1 - T.truncdiv(bx, num_splits)" in text
@@ -142,7 +144,7 @@ def test_loop_bounds_in_the_emitted_program():
     "field,value,msg",
     [
         ("weight", "T.exp(s - bogus)", "unknown name 'bogus'"),
-        ("score", "acc_s * T.tanh(acc_s)", "T.tanh is not an allowed intrinsic"),
+        ("score", "acc_s * T.erf(acc_s)", "T.erf is not an allowed intrinsic"),
         ("out", "o / (l", "cannot parse"),
         ("lse", "m + l_old", "unknown name 'l_old'"),
     ],
