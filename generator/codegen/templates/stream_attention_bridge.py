@@ -404,7 +404,9 @@ def attention_body(spec: OpSpec, plan: Plan, lowered: dict[str, dict]) -> list[s
         f"  const Tensor kk = fits({k}) ? {k} : dense_copy({k});",
         f"  const Tensor vv = fits({v}) ? {v} : dense_copy({v});",
         f"  for (int64_t s : {{{sz['batch']}, {sz['query']}, {sz['key']}, {sz['head']}, {sz['kv_head']}}})",
-        "    check(s < (int64_t(1) << 31), kOp, \"sizes must fit in int32\");",
+        # with int arguments in the mask's bounds (each below 2**30), lengths below 2**30 keep the bounds in int32
+        (f"    check(s < (int64_t(1) << {30 if r.int_params else 31}), kOp, \"sizes must be below 2^"
+         f"{30 if r.int_params else 31} on CUDA\");"),
     ]
     for n in r.int_params:
         L.append(f"  check(A.p_{n} >= -(int64_t(1) << 30) && A.p_{n} < (int64_t(1) << 30), kOp, "
