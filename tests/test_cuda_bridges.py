@@ -263,3 +263,12 @@ def test_schedule_block_is_gone():
     text = (ROOT / "tests" / "specs" / "logsumexp.yaml").read_text() + "schedule: {sm80: {block_m: 64}}\n"
     with pytest.raises(SpecError, match="'schedule:' is gone"):
         parse_spec(text, "logsumexp.yaml")
+
+
+def test_tanh_reaches_both_templates():
+    """The spec language's tanh prints as T.tanh and both templates accept it (a tanh-scored router)."""
+    text = (ROOT / "specs" / "moe_route.yaml").read_text().replace("else sigmoid(x)", "else tanh(x)")
+    spec = parse_spec(text, "moe_route.yaml")
+    prog = row_program(spec, derive(spec))
+    v = rr.RowVariant(dtype="float32", e_cap=64, family="sm80")
+    assert "T.tanh(" in rr.emit_resident_row_program(prog, v, "K")

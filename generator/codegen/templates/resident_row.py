@@ -318,7 +318,7 @@ class RowVariant:
 # --------------------------------------------------------------------------------------------
 
 _T_FUNCS = {
-    "exp", "exp2", "log", "log2", "max", "min", "abs", "sqrt", "if_then_else", "infinity",
+    "exp", "exp2", "log", "log2", "max", "min", "abs", "sqrt", "tanh", "sin", "cos", "if_then_else", "infinity",
     "float32", "int32", "isnan", "isinf", "isfinite",
 }
 _REDUCE_OPS = ("max", "min", "sum")
