@@ -334,4 +334,69 @@ def route_cases(device: str, size: str) -> list[Case]:
     return cases
 
 
-OPS = {"fused_attention": attention_cases, "moe_route": route_cases}
+# ----------------------------------------------------------------------------------------------------------
+# softmax_cross_entropy, logsumexp: ops made only of their YAML spec (one pass over rows of a vocabulary)
+# ----------------------------------------------------------------------------------------------------------
+
+def _rows_check(op: str, eps: float) -> Callable[[str, Any, tuple], dict]:
+    """On the first rows, ACCEPTANCE.md's rule: max|out - ref| <= 2 * max|plain - ref| + 1e-5, ref the op written
+    with torch in float64, plain the same in the inputs' dtype (torch's cross_entropy with reduction='none' is the
+    meaning of softmax_cross_entropy)."""
+    import torch.nn.functional as F
+
+    def torch_op(x: Tensor, target: Tensor | None) -> Tensor:
+        if op == "logsumexp":
+            return torch.logsumexp(x, dim=-1)
+        return F.cross_entropy(x, target.long(), reduction="none", label_smoothing=eps)
+
+    def check(impl: str, result: Any, inputs: tuple) -> dict[str, Any]:
+        x = inputs[0][:64].cpu()
+        target = inputs[1][:64].cpu() if len(inputs) > 1 else None
+        ref = torch_op(x.double(), target)
+        plain = _maxerr(torch_op(x, target).double(), ref)
+        err = _maxerr(result[:64].cpu().double(), ref)
+        return {"max_err": err, "bound": 2 * plain + 1e-5, "plain_err": plain, "ok": bool(err <= 2 * plain + 1e-5)}
+
+    return check
+
+
+def rows_case(op: str, T: int, V: int, dtype: torch.dtype, eps: float = 0.1) -> Case:
+    esize = torch.tensor([], dtype=dtype).element_size()
+    params = {"T": T, "V": V, "dtype": DT_SHORT[dtype]} | ({"label_smoothing": eps} if op != "logsumexp" else {})
+
+    def make_inputs(gen: torch.Generator, dev: str) -> tuple:
+        x = (torch.randn(T, V, generator=gen, device=dev) * 4).to(dtype)
+        if op == "logsumexp":
+            return (x,)
+        target = torch.randint(0, V, (T,), generator=gen, device=dev)
+        target[::7] = -100  # some ignored tokens
+        return x, target
+
+    if op == "logsumexp":
+        def eager(x):
+            return torch.logsumexp(x.float(), dim=-1)
+        ours = torch.ops.redfuser.logsumexp
+    else:
+        def eager(x, t):
+            return torch.nn.functional.cross_entropy(x.float(), t, reduction="none", label_smoothing=eps)
+
+        def ours(x, t):
+            return torch.ops.redfuser.softmax_cross_entropy(x, t, eps)
+    impls = [Impl("redfuser", ours), Impl("eager", eager), Impl("compile", torch.compile(eager, dynamic=False))]
+    return Case(op, "rows", f"T{T} V{V} {DT_SHORT[dtype]}", params, dtype, float(T * V * 4), float(T * V * esize + T * 12),
+                T * V * esize, make_inputs, impls, _rows_check(op, eps), 5)
+
+
+def _rows_cases(op: str) -> Callable[[str, str], list[Case]]:
+    def cases(device: str, size: str) -> list[Case]:
+        if device != "cpu":  # no CUDA template serves long rows yet (specs/README.md)
+            return []
+        shapes = {"full": [(64, 32000), (16, 128256), (512, 32000)], "quick": [(64, 32000), (16, 128256)],
+                  "tiny": [(4, 1000)]}[size]
+        return [rows_case(op, T, V, dt) for T, V in shapes for dt in [torch.float32, torch.bfloat16][:1 if size == "tiny" else 2]]
+
+    return cases
+
+
+OPS = {"fused_attention": attention_cases, "moe_route": route_cases,
+       "softmax_cross_entropy": _rows_cases("softmax_cross_entropy"), "logsumexp": _rows_cases("logsumexp")}
