@@ -38,3 +38,14 @@ def test_bad_spec_gives_a_clear_error(tmp_path, text, message):
 def test_index_tensors_of_every_torch_index_dtype(tmp_path, dtype):
     rc, out = check(tmp_path, CE.replace("dtype: [int32], values", f"dtype: [{dtype}], values"))
     assert rc == 0 and out.startswith("ok "), out
+
+
+def test_build_stops_with_the_reasons_when_no_template_accepts(tmp_path):
+    """The build's generator (`emit`) ends a spec whose cuda section no template accepts with the reasons."""
+    spec = tmp_path / "op.yaml"
+    spec.write_text(CE + "variants:\n  cuda: {families: [sm80], dtype: [float32]}\n")
+    r = subprocess.run([sys.executable, "-m", "generator", "emit", "--out", str(tmp_path / "gen"), "--archs", "sm80",
+                        str(spec)], check=False, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1 and "no CUDA kernel template accepts cross_entropy" in out, out
+    assert "resident_row writes (rows, k) outputs" in out and "Traceback" not in out
