@@ -28,6 +28,7 @@ from ..symbolic.expr import Cast, entrysum, idiv, isin
 from ..symbolic.forms import Analysis, OpAnalysis, ReductionForm
 from .files import write_if_changed
 from .glue import SCALAR_TYPES, CudaGlue
+from .templates import paged_attention_bridge
 from .tl_print import TLPrinter
 
 
@@ -738,7 +739,8 @@ def row_body(spec: OpSpec, plan: Plan, lowered: dict[str, dict]) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------- entry point
-TEMPLATES = {"stream_attention": (attention_plan, attention_body), "resident_row": (row_plan, row_body)}
+TEMPLATES = {"stream_attention": (attention_plan, attention_body), "resident_row": (row_plan, row_body),
+             "paged_attention": (paged_attention_bridge.paged_plan, paged_attention_bridge.paged_body)}
 
 
 def cuda_for_op(spec: OpSpec, op: OpAnalysis, families: list[str], out_dir: Path, jobs: int,
