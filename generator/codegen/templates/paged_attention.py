@@ -225,14 +225,7 @@ def emit_paged_program(math: sa.AttentionMath, roles: PagedRoles, cfg: PagedConf
     src(b, f"acc_o = T.alloc_fragment(({BM}, {DV}), accum_dtype)")
     if plan.uses_scratch:
         src(b, f"acc_t = T.alloc_fragment(({BM}, {BN}), accum_dtype)")
-    for name in plan.state_names:
-        for suffix in ("", "_old", "_red"):
-            src(b, f"{sa._frag(name)}{suffix} = T.alloc_fragment(({BM},), accum_dtype)")
-    for g in math.guards:
-        src(b, f"{sa._guard_frag(g.name)} = T.alloc_fragment(({BM},), accum_dtype)")
-    for og in plan.old_guards:
-        src(b, f"{sa._guard_frag(og)} = T.alloc_fragment(({BM},), accum_dtype)")
-    src(b, f"acc_scale = T.alloc_fragment(({BM},), accum_dtype)")
+    sa.emit_row_fragments(src, b, plan, BM)
     src(b, f"lim = T.alloc_fragment(({BM},), T.int32)")
     src(b, "")
     if cfg.split_kv:
@@ -256,10 +249,8 @@ def emit_paged_program(math: sa.AttentionMath, roles: PagedRoles, cfg: PagedConf
     src(b, f"T.copy(Q[by, r0:r0 + {BM}, 0:{DV}], Q_shared)")
     src(b, f"T.copy(Q[by, r0:r0 + {BM}, {DV}:{DK}], QR_shared)")
     src(b, "T.fill(acc_o, 0)")
+    sa.emit_row_init(src, b, plan, BM)
     pmap = {p: p for p in math.params}
-    for st in math.states:
-        src(b, f"T.fill({sa._frag(st.name)}, {sa.render(st.init, pmap, f'init of {st.name}')})")
-    sa._emit_guards(src, b, plan, list(range(len(math.states))), BM, initial=True)
     lmap = {**pmap, "kv_len": "kv_len", "n_a": "n_a", "heads": "heads", "mask_flag": "mask_flag",
             "row_a": "T.truncdiv(r0 + i, heads)", "row_h": "T.truncmod(r0 + i, heads)"}
     src(b, f"for i in T.Parallel({BM}):")

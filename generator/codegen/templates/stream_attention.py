@@ -613,15 +613,7 @@ def emit_attention_program(math: AttentionMath, cfg: AttentionConfig, symbol: st
     src(b, f"acc_o = T.alloc_fragment(({BM}, {D}), accum_dtype)")
     if plan.uses_scratch:
         src(b, f"acc_t = T.alloc_fragment(({BM}, {BN}), accum_dtype)")
-    for name in plan.state_names:
-        src(b, f"{_frag(name)} = T.alloc_fragment(({BM},), accum_dtype)")
-        src(b, f"{_frag(name)}_old = T.alloc_fragment(({BM},), accum_dtype)")
-        src(b, f"{_frag(name)}_red = T.alloc_fragment(({BM},), accum_dtype)")
-    for g in math.guards:
-        src(b, f"{_guard_frag(g.name)} = T.alloc_fragment(({BM},), accum_dtype)")
-    for og in plan.old_guards:
-        src(b, f"{_guard_frag(og)} = T.alloc_fragment(({BM},), accum_dtype)")
-    src(b, f"acc_scale = T.alloc_fragment(({BM},), accum_dtype)")
+    emit_row_fragments(src, b, plan, BM)
     src(b, "")
     # ---- block coordinates
     if cfg.split_kv:
@@ -661,11 +653,7 @@ def emit_attention_program(math: AttentionMath, cfg: AttentionConfig, symbol: st
     src(b, "")
     src(b, f"T.copy(Q[bz, q0:q0 + {BM}, by, :], Q_shared)")
     src(b, "T.fill(acc_o, 0)")
-    init_map = {p: p for p in math.params}
-    for st in math.states:
-        src(b, f"T.fill({_frag(st.name)}, {render(st.init, init_map, f'init of {st.name}')})")
-    # guards of the initial states (valid even when the loop runs zero times)
-    _emit_guards(src, b, plan, list(range(len(math.states))), BM, initial=True)
+    emit_row_init(src, b, plan, BM)
     src(b, "")
     _emit_loop(src, b, plan, cfg)
     src(b, "")
@@ -776,6 +764,28 @@ def _emit_guards(src: _Src, b: int, plan: _Plan, after: list[int], BM: int, init
         src(b + 1, f"{_guard_frag(g.name)}[i] = {render(g.expr, mp, f'guard {g.name}')}")
     n += 1
     return n
+
+
+def emit_row_fragments(src: _Src, b: int, plan: _Plan, BM: int) -> None:
+    """Per-row fragments of the online update: each state (current, old, tile reduction), guards, old guards
+    and the accumulator's correction ``acc_scale``."""
+    for name in plan.state_names:
+        src(b, f"{_frag(name)} = T.alloc_fragment(({BM},), accum_dtype)")
+        src(b, f"{_frag(name)}_old = T.alloc_fragment(({BM},), accum_dtype)")
+        src(b, f"{_frag(name)}_red = T.alloc_fragment(({BM},), accum_dtype)")
+    for g in plan.math.guards:
+        src(b, f"{_guard_frag(g.name)} = T.alloc_fragment(({BM},), accum_dtype)")
+    for og in plan.old_guards:
+        src(b, f"{_guard_frag(og)} = T.alloc_fragment(({BM},), accum_dtype)")
+    src(b, f"acc_scale = T.alloc_fragment(({BM},), accum_dtype)")
+
+
+def emit_row_init(src: _Src, b: int, plan: _Plan, BM: int) -> None:
+    """The states' neutral values and the guards of them (valid even when the loop runs zero times)."""
+    init_map = {p: p for p in plan.math.params}
+    for st in plan.math.states:
+        src(b, f"T.fill({_frag(st.name)}, {render(st.init, init_map, f'init of {st.name}')})")
+    _emit_guards(src, b, plan, list(range(len(plan.math.states))), BM, initial=True)
 
 
 def emit_online_update(plan: _Plan, BM: int, BN: int, stmt) -> None:
