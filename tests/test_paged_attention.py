@@ -54,10 +54,10 @@ def _case(rng, lens, Sq, Hq, n_extra_blocks=3):
     return q, kv, bt, np.asarray(lens, np.int32)
 
 
-def _run(kernel, causal, q, kv, bt, lens, family="sm90a", splits=1):
+def _run(kernel, causal, q, kv, bt, lens, family="sm90a", splits=1, **tiles):
     math, roles = kernel
     B, Sq, Hq, _ = q.shape
-    cfg = pa.default_config(family, "bfloat16", DV, split_kv=splits > 1)
+    cfg = pa.replace(pa.default_config(family, "bfloat16", DV, split_kv=splits > 1), **tiles)
     scale = DK**-0.5
     o, lse = pa.simulate(math, roles, cfg, q.reshape(B, Sq * Hq, DK), kv[:, :, 0], bt, lens,
                          {"softmax_scale": scale}, heads=Hq, num_splits=splits, mask_flag=int(causal))
@@ -90,12 +90,13 @@ def test_engine_math_through_the_paged_schedule(kernel, Hq, Sq, causal, splits):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_sm80_tiles_half_pages(kernel, causal):
-    """sm80 runs 32-row tiles (two per page) and 32-row slices of the packed heads."""
+def test_sm80_slices_and_half_pages(kernel, causal):
+    """sm80 runs 16-row slices of the packed heads; tiles of half a page (block_n 32) gather the right rows."""
     rng = np.random.default_rng(7)
     q, kv, bt, ln = _case(rng, [3, 64, 97, 200], 3, 16)
     _check(kernel, causal, q, kv, bt, ln, family="sm80", splits=1)
     _check(kernel, causal, q, kv, bt, ln, family="sm80", splits=2)
+    _check(kernel, causal, q, kv, bt, ln, family="sm80", splits=2, block_n=32)
 
 
 def test_causal_rows_before_the_first_key(kernel):

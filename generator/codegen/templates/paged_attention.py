@@ -101,12 +101,13 @@ class PagedConfig:
 
 # (block_m, block_n, threads, num_stages) per family.  sm90a: 64 packed rows (WGMMA needs 64-row tiles:
 # Hq = 16 is padded to 64 rows rather than falling back to HMMA), two cache tiles in flight.  sm80: one
-# source serves sm_80/86/89, so Q (32 x DK) + one tile (32 x DK) must fit sm_86/89's 99 KB, and cp.async
-# pipelining with a dynamic extent needs num_stages=1 in TileLang 0.1.15.
+# source serves sm_80/86/89, so Q (16 x DK) + one page (64 x DK) must fit sm_86/89's 99 KB; four warps that
+# each hold all 16 rows (one m16 MMA tile) keep the row layouts of S and O alike; cp.async pipelining with a
+# dynamic extent needs num_stages=1 in TileLang 0.1.15.
 _TILES = {
     "sm90a": (64, 64, 256, 2),
     "sm100a": (64, 64, 256, 2),
-    "sm80": (32, 32, 256, 1),
+    "sm80": (16, 64, 128, 1),
 }
 
 
@@ -287,7 +288,10 @@ def emit_paged_program(math: sa.AttentionMath, roles: PagedRoles, cfg: PagedConf
     stmt("rescale", f"for i, d in T.Parallel({BM}, {DV}):\n    acc_o[i, d] *= acc_scale[i]")
     stmt("gemm", "T.copy(acc_p, P_shared)")
     stmt("gemm", f"T.gemm(P_shared, KV_shared, acc_o, {pol})")
-    src(b, f"for kt in T.Pipelined(t_begin, t_stop, num_stages={cfg.num_stages}):")
+    if cfg.num_stages > 1:
+        src(b, f"for kt in T.Pipelined(t_begin, t_stop, num_stages={cfg.num_stages}):")
+    else:  # one stage: a plain loop (TileLang's pipeline planner refuses the V-row zeroing as a second writer)
+        src(b, "for kt in T.serial(t_begin, t_stop):")
     for ln in body.lines:
         src(b + 1, ln)
     src(b, "")

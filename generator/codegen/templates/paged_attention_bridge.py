@@ -299,8 +299,8 @@ def paged_body(spec: OpSpec, plan, lowered: dict[str, dict]) -> list[str]:
         "    return y;",
         "  };",
         f"  const Tensor qq = dense({q}), kk = dense({kv}), tt = dense({bt}), ll = dense({lens});",
-        (f"  for (int64_t s : {{{sz['B']}, rows, {sz['NB']}, {sz['MB']}, rows * {roles.dim_k}, "
-        f"{sz['NB']} * {roles.page * roles.dim_k}, {sz['MB']} * {roles.page}}})"),
+        "  // sizes are int32 kernel arguments (the length clamp computes MB * page in int32); addressing is 64-bit",
+        f"  for (int64_t s : {{{sz['B']}, rows, {sz['NB']}, {sz['MB']} * {roles.page}}})",
         "    check(s < (int64_t(1) << 31), kOp, \"sizes must fit in int32 on CUDA\");",
         "  const int32_t sms = redfuser::device_sm_count(kOp, ctx.device());",
         "  bool launched = false;",
