@@ -104,8 +104,8 @@ class PagedConfig:
 # (block_m, block_n, threads, num_stages) per family.  sm90a: 64 packed rows (WGMMA needs 64-row tiles:
 # Hq = 16 is padded to 64 rows rather than falling back to HMMA), two cache tiles in flight.  sm80: one
 # source serves sm_80/86/89, so Q (16 x DK) + one page (64 x DK) must fit sm_86/89's 99 KB; four warps that
-# each hold all 16 rows (one m16 MMA tile) keep the row layouts of S and O alike; cp.async pipelining with a
-# dynamic extent needs num_stages=1 in TileLang 0.1.15.
+# each hold all 16 rows (one m16 MMA tile) keep the row layouts of S and O alike; one stage (TileLang 0.1.15
+# fails to pipeline cp.async with a dynamic extent), run as a plain loop (see emit_paged_program).
 _TILES = {
     "sm90a": (64, 64, 256, 2),
     "sm100a": (64, 64, 256, 2),
