@@ -360,6 +360,63 @@ def _rows_check(op: str, eps: float) -> Callable[[str, Any, tuple], dict]:
     return check
 
 
+# ----------------------------------------------------------------------------------------------------------
+# mla_decode
+# ----------------------------------------------------------------------------------------------------------
+
+def mla_case(B: int, ctx: int, Hq: int, Sq: int, dtype: torch.dtype, causal: bool, device: str,
+             peer_names: list[str], priority: int) -> Case:
+    """Every sequence holds `ctx` keys in 64-row pages placed at random in the cache. bytes = the cache rows read
+    (ctx x 576 per sequence) + q + out + lse; flops = 2 * B * Hq * Sq * ctx * (576 + 512) (q.k and p.v)."""
+    page, D, dv = 64, 576, 512
+    esize = torch.tensor([], dtype=dtype).element_size()
+    mb = -(-ctx // page)
+    nbytes = float(B * ctx * D * esize + B * Sq * Hq * (D + dv) * esize + B * Hq * Sq * 4)
+    flops = 2.0 * B * Hq * Sq * ctx * (D + dv)
+    scale = D**-0.5
+    params = {"B": B, "ctx": ctx, "Hq": Hq, "Sq": Sq, "dtype": DT_SHORT[dtype], "causal": causal}
+
+    def make_inputs(gen: torch.Generator, dev: str) -> tuple:
+        q = torch.randn(B, Sq, Hq, D, generator=gen, device=dev, dtype=dtype)
+        kv = torch.randn(B * mb, page, 1, D, generator=gen, device=dev, dtype=dtype)
+        table = torch.randperm(B * mb, generator=gen, device=dev).to(torch.int32).reshape(B, mb)
+        lens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+        return q, kv, table, lens
+
+    impls = [Impl("redfuser", lambda q, kv, t, n: torch.ops.redfuser.mla_decode(q, kv, t, n, dv, None, causal))]
+    for peer in peer_names:
+        if peer == "eager":
+            impls.append(Impl(peer, lambda q, kv, t, n: peers.torch_mla_decode(q, kv, t, n, dv, scale, causal)))
+        elif peer == "compile":
+            impls.append(Impl(peer, lambda q, kv, t, n: peers.compiled_torch_mla_decode(dv, scale, causal)(q, kv, t, n)))
+    name = f"{DT_SHORT[dtype]} B{B} ctx{ctx} Hq{Hq} Sq{Sq}" + (" causal" if causal else "")
+    return Case("mla_decode", "decode", name, params, dtype, flops, nbytes, B * (ctx * D + Sq * Hq * D) * esize,
+                make_inputs, impls, _mla_check(Sq, Hq, causal), priority)
+
+
+def _mla_check(Sq: int, Hq: int, causal: bool) -> Callable[[str, Any, tuple], dict]:
+    """ACCEPTANCE.md's rule on sequence 0 (all heads): ref in float32 from the half inputs, plain = the same
+    attention in the inputs' dtype; lse within 1e-3."""
+    from redfuser_ops import reference
+
+    cache: dict[str, Any] = {}
+
+    def check(impl: str, result: Any, inputs: tuple) -> dict[str, Any]:
+        q, kv, table, lens = (x[:1] if i != 1 else x for i, x in enumerate(inputs))
+        out, lse = result
+        if not cache:
+            r_out, r_lse = reference.mla_decode(q, kv, table, lens, 512, None, causal, dtype=torch.float32)
+            p_out, _ = reference.mla_decode(q, kv, table, lens, 512, None, causal, dtype=q.dtype)
+            cache.update(r_out=r_out, r_lse=r_lse, plain_err=_maxerr(p_out.float(), r_out))
+        err = _maxerr(out[:1].float(), cache["r_out"])
+        lse_err = _maxerr(lse[:1].float(), cache["r_lse"])
+        bound = 2 * cache["plain_err"] + 1e-5
+        return {"max_err": err, "bound": bound, "plain_err": cache["plain_err"], "lse_err": lse_err,
+                "slice": "sequence 0", "ok": bool(err <= bound and lse_err <= 1e-3)}
+
+    return check
+
+
 def rows_case(op: str, T: int, V: int, dtype: torch.dtype, eps: float = 0.1) -> Case:
     esize = torch.tensor([], dtype=dtype).element_size()
     params = {"T": T, "V": V, "dtype": DT_SHORT[dtype]} | ({"label_smoothing": eps} if op != "logsumexp" else {})
@@ -398,5 +455,21 @@ def _rows_cases(op: str) -> Callable[[str, str], list[Case]]:
     return cases
 
 
-OPS = {"fused_attention": attention_cases, "moe_route": route_cases,
+def mla_cases(device: str, size: str) -> list[Case]:
+    """(B, ctx, Hq): small batches at long contexts take the split-KV path; B 64..128 at 4k..16k with Hq 16 is the
+    bandwidth target, Hq 128 the compute-bound one."""
+    if device == "cuda":
+        dtypes = [torch.bfloat16]
+        shapes = {"full": [(b, c, h) for h in (16, 128) for b in (1, 8, 64, 128) for c in (1024, 4096, 16384, 32768)],
+                  "quick": [(64, 4096, 16), (128, 16384, 16), (1, 32768, 16), (64, 4096, 128), (8, 16384, 128)],
+                  "tiny": [(2, 1000, 16)]}[size]
+    else:
+        dtypes = [torch.bfloat16]
+        shapes = {"full": [(1, 4096, 16), (8, 4096, 16), (8, 2048, 128)], "quick": [(1, 4096, 16), (8, 1024, 128)],
+                  "tiny": [(2, 300, 16)]}[size]
+    peer_names = ["eager", "compile"] if size != "tiny" else ["eager"]
+    return [mla_case(B, ctx, Hq, 1, dt, False, device, peer_names, 4) for dt in dtypes for B, ctx, Hq in shapes]
+
+
+OPS = {"fused_attention": attention_cases, "moe_route": route_cases, "mla_decode": mla_cases,
        "softmax_cross_entropy": _rows_cases("softmax_cross_entropy"), "logsumexp": _rows_cases("logsumexp")}

@@ -11,6 +11,19 @@ import sys
 import torch
 
 
+def _attention_ok(name: str, out, lse, r_out, r_lse, p_out) -> bool:
+    """ACCEPTANCE.md's rule for attention outputs (out within twice the plain error, lse within 1e-3 where finite,
+    the same infinities); prints one line."""
+    err = (out.cpu().float() - r_out).abs().max().item()
+    bound = 2 * (p_out.float() - r_out).abs().max().item() + 1e-5
+    fin = torch.isfinite(r_lse)
+    lse_ok = torch.equal(torch.isfinite(lse.cpu()), fin) and (
+        not fin.any() or (lse.cpu()[fin] - r_lse[fin]).abs().max().item() <= 1e-3)
+    ok = err <= bound and lse_ok
+    print(f"{name}: err {err:.2e} <= {bound:.2e}, lse {'ok' if lse_ok else 'WRONG'}: {'ok' if ok else 'WRONG'}")
+    return ok
+
+
 def main() -> int:
     import redfuser_ops  # noqa: F401 - loads the library
     from redfuser_ops import reference as ref
@@ -34,15 +47,8 @@ def main() -> int:
         torch.cuda.synchronize()
         r_out, r_lse = ref.fused_attention(q, k, v, causal, None, dtype=torch.float32)
         p_out, _ = ref.fused_attention(q, k, v, causal, None, dtype=dtype)
-        err = (out.cpu().float() - r_out).abs().max().item()
-        bound = 2 * (p_out.float() - r_out).abs().max().item() + 1e-5
-        fin = torch.isfinite(r_lse)
-        lse_ok = torch.equal(torch.isfinite(lse.cpu()), fin) and (
-            not fin.any() or (lse.cpu()[fin] - r_lse[fin]).abs().max().item() <= 1e-3)
-        ok = err <= bound and lse_ok
         name = f"fused_attention B{B} Sq{Sq} Sk{Sk} H{H}/{Hk} D{D} {'causal' if causal else 'full'} {dtype}"
-        print(f"{name}: err {err:.2e} <= {bound:.2e}, lse {'ok' if lse_ok else 'WRONG'}: {'ok' if ok else 'WRONG'}")
-        if not ok:
+        if not _attention_ok(name, out, lse, r_out, r_lse, p_out):
             failures.append(name)
     for T, E, topk, scoring, bias, ng, tg in [(5, 256, 8, "sigmoid", True, 8, 4), (3, 160, 6, "softmax", False, 8, 3),
                                               (1, 64, 6, "softmax", False, 1, 1)]:
@@ -56,6 +62,28 @@ def main() -> int:
         name = f"moe_route T{T} E{E} top{topk} {scoring} groups {ng}/{tg}"
         print(f"{name}: {'ok' if ok else 'WRONG'}")
         if not ok:
+            failures.append(name)
+    # mla_decode: (lengths, Sq, Hq, causal, dtype): split-KV with an empty sequence and a tail page holding NaN
+    # garbage, a causal multi-token case, 128 heads; unused table entries out of range
+    for lens, Sq, Hq, causal, dtype in [([0, 4097], 1, 16, False, torch.bfloat16), ([65, 3], 3, 8, True, torch.float16),
+                                        ([130], 2, 128, False, torch.bfloat16)]:
+        page, B = 64, len(lens)
+        mb = max(-(-n // page) for n in lens) + 1
+        kv = torch.randn(B * mb, page, 1, 576, generator=gen).to(dtype)
+        table = torch.randperm(B * mb, generator=gen).to(torch.int32).reshape(B, mb)
+        for b, n in enumerate(lens):
+            table[b, -(-n // page):] = -(2**31)
+            if n % page:
+                kv[table[b, n // page], n % page:] = float("nan")
+        q = torch.randn(B, Sq, Hq, 576, generator=gen).to(dtype)
+        seqlens = torch.tensor(lens, dtype=torch.int32)
+        out, lse = torch.ops.redfuser.mla_decode(q.cuda(), kv.cuda(), table.cuda(), seqlens.cuda(), 512, None, causal)
+        torch.cuda.synchronize()
+        kv = torch.nan_to_num(kv)
+        r_out, r_lse = ref.mla_decode(q, kv, table, seqlens, 512, None, causal, dtype=torch.float32)
+        p_out, _ = ref.mla_decode(q, kv, table, seqlens, 512, None, causal, dtype=dtype)
+        name = f"mla_decode lens {lens} Sq{Sq} Hq{Hq} {'causal' if causal else 'full'} {dtype}"
+        if not _attention_ok(name, out, lse, r_out, r_lse, p_out):
             failures.append(name)
     print(f"gpu_checks: {len(failures)} wrong" + (": " + "; ".join(failures) if failures else ""))
     return 1 if failures else 0

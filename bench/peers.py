@@ -121,6 +121,43 @@ def compiled_torch_route(topk: int, scoring: str, renormalize: bool, n_group: in
     return torch.compile(route, dynamic=True)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# MLA decode (absorbed: the queries are already in the latent space), over a paged cache
+# ----------------------------------------------------------------------------------------------------------
+
+def torch_mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor, head_dim_v: int,
+                     scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """What a user writes in torch: gather every sequence's pages into a padded (B, MB * page, 576) tensor, one
+    batched matmul for the scores (all heads and query tokens of a sequence at once), a masked float32 softmax,
+    one matmul with V (the first head_dim_v channels of the gathered rows). Returns out (B, Sq, Hq, dv) in q's
+    dtype and lse (B, Hq, Sq) float32."""
+    B, Sq, Hq, D = q.shape
+    rows = kv_cache[block_table.long()].reshape(B, -1, D)                     # (B, N, D)
+    s = torch.matmul(q.reshape(B, Sq * Hq, D), rows.transpose(1, 2)).float() * scale  # (B, Sq*Hq, N)
+    j = torch.arange(rows.shape[1], device=q.device)
+    limit = cache_seqlens.long()[:, None]                                      # (B, 1)
+    if causal:
+        t = torch.arange(Sq, device=q.device).repeat_interleave(Hq)           # row t * Hq + h -> t
+        limit = limit - (Sq - 1 - t)[None, :]                                 # (B, Sq*Hq)
+    hidden = j[None, None, :] >= limit[..., None]
+    s = s.masked_fill(hidden, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).to(q.dtype)
+    out = torch.matmul(p, rows[..., :head_dim_v]).reshape(B, Sq, Hq, head_dim_v)
+    return out, lse.reshape(B, Sq, Hq).transpose(1, 2)
+
+
+@functools.cache
+def compiled_torch_mla_decode(head_dim_v: int, scale: float, causal: bool) -> Callable[..., tuple[Tensor, Tensor]]:
+    """torch.compile of torch_mla_decode, dynamic in the sizes."""
+    _raise_dynamo_cache_limits()
+
+    def mla(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor) -> tuple[Tensor, Tensor]:
+        return torch_mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v, scale, causal)
+
+    return torch.compile(mla, dynamic=True)
+
+
 def _raise_dynamo_cache_limits() -> None:
     """Each (dtype, config) is a recompilation of the same function: allow enough of them."""
     cfg = torch._dynamo.config

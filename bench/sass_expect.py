@@ -49,8 +49,8 @@ RULES: tuple[Rule, ...] = (
          why="QK^T and PV on WGMMA; Q, K, V tiles by TMA"),
     Rule("sliding_window_attention__*__sm90a", "attention", require=("HGMMA", "UTMALDG"),
          why="banded mask + tanh soft-capping (specs/sliding_window_attention.yaml): WGMMA, tiles by TMA"),
-    Rule("mla_decode__*__sm90a", "attention", require=("HGMMA", "UTMALDG"),
-         why="paged latent attention: WGMMA, KV pages by TMA"),
+    Rule("mla_decode__*__sm90a", "attention", require=("HGMMA", "UTMALDG"), forbid=("HMMA",),
+         why="paged latent attention: WGMMA (64 packed head rows, never the mma.sync fallback), KV pages by TMA"),
     # fp8 GEMM with online per-token quantisation: fp8 warpgroup MMA, w tiles by TMA
     Rule("fp8_quant_gemm__*__sm90a", "fp8 gemm", require=("QGMMA", "UTMALDG"),
          why="e4m3 x e4m3 on fp8 WGMMA; tiles by TMA"),

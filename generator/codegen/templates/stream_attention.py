@@ -644,15 +644,7 @@ def emit_attention_program(math: AttentionMath, cfg: AttentionConfig, symbol: st
     src(b, f"acc_o = T.alloc_fragment(({BM}, {D}), accum_dtype)")
     if plan.uses_scratch:
         src(b, f"acc_t = T.alloc_fragment(({BM}, {BN}), accum_dtype)")
-    for name in plan.state_names:
-        src(b, f"{_frag(name)} = T.alloc_fragment(({BM},), accum_dtype)")
-        src(b, f"{_frag(name)}_old = T.alloc_fragment(({BM},), accum_dtype)")
-        src(b, f"{_frag(name)}_red = T.alloc_fragment(({BM},), accum_dtype)")
-    for g in math.guards:
-        src(b, f"{_guard_frag(g.name)} = T.alloc_fragment(({BM},), accum_dtype)")
-    for og in plan.old_guards:
-        src(b, f"{_guard_frag(og)} = T.alloc_fragment(({BM},), accum_dtype)")
-    src(b, f"acc_scale = T.alloc_fragment(({BM},), accum_dtype)")
+    emit_row_fragments(src, b, plan, BM)
     src(b, "")
     # ---- block coordinates
     if cfg.split_kv:
@@ -702,11 +694,7 @@ def emit_attention_program(math: AttentionMath, cfg: AttentionConfig, symbol: st
     src(b, "")
     src(b, f"T.copy(Q[bz, q0:q0 + {BM}, by, :], Q_shared)")
     src(b, "T.fill(acc_o, 0)")
-    init_map = {p: p for p in math.params}
-    for st in math.states:
-        src(b, f"T.fill({_frag(st.name)}, {render(st.init, init_map, f'init of {st.name}')})")
-    # guards of the initial states (valid even when the loop runs zero times)
-    _emit_guards(src, b, plan, list(range(len(math.states))), BM, initial=True)
+    emit_row_init(src, b, plan, BM)
     src(b, "")
     _emit_loop(src, b, plan, cfg)
     src(b, "")
@@ -833,46 +821,36 @@ def _emit_guards(src: _Src, b: int, plan: _Plan, after: list[int], BM: int, init
     return n
 
 
-def _emit_loop(src: _Src, b: int, plan: _Plan, cfg: AttentionConfig) -> None:
+def emit_row_fragments(src: _Src, b: int, plan: _Plan, BM: int) -> None:
+    """Per-row fragments of the online update: each state (current, old, tile reduction), guards, old guards
+    and the accumulator's correction ``acc_scale``."""
+    for name in plan.state_names:
+        src(b, f"{_frag(name)} = T.alloc_fragment(({BM},), accum_dtype)")
+        src(b, f"{_frag(name)}_old = T.alloc_fragment(({BM},), accum_dtype)")
+        src(b, f"{_frag(name)}_red = T.alloc_fragment(({BM},), accum_dtype)")
+    for g in plan.math.guards:
+        src(b, f"{_guard_frag(g.name)} = T.alloc_fragment(({BM},), accum_dtype)")
+    for og in plan.old_guards:
+        src(b, f"{_guard_frag(og)} = T.alloc_fragment(({BM},), accum_dtype)")
+    src(b, f"acc_scale = T.alloc_fragment(({BM},), accum_dtype)")
+
+
+def emit_row_init(src: _Src, b: int, plan: _Plan, BM: int) -> None:
+    """The states' neutral values and the guards of them (valid even when the loop runs zero times)."""
+    init_map = {p: p for p in plan.math.params}
+    for st in plan.math.states:
+        src(b, f"T.fill({_frag(st.name)}, {render(st.init, init_map, f'init of {st.name}')})")
+    _emit_guards(src, b, plan, list(range(len(plan.math.states))), BM, initial=True)
+
+
+def emit_online_update(plan: _Plan, BM: int, BN: int, stmt) -> None:
+    """The per-tile online update of the row states from the scores in ``acc_s`` (BM x BN fragment).
+
+    Emits, through ``stmt(role, text)``: the old state values (and old guards), each state's reduction,
+    correction and the guards it enables, the weight P (in ``acc_s``, cast into ``acc_p``) and the
+    accumulator's correction in ``acc_scale``.  Shared by the templates that stream keys in tiles.
+    """
     math = plan.math
-    BM, BN = cfg.block_m, cfg.block_n
-    body = _Src()
-    stmts: list[str] = []  # role of each top-level statement, for the manual pipeline schedule
-
-    def stmt(role: str, text: str):
-        stmts.append(role)
-        body(0, text)
-
-    stmt("load_k", f"T.copy(K[bz, kt * {BN}:(kt + 1) * {BN}, kv_head, :], K_shared)")
-    stmt("gemm_qk", "T.gemm(Q_shared, K_shared, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)")
-    # ---- score and mask
-    smap = {p: p for p in math.params}
-    smap["acc_s"] = "acc_s[i, j]"
-    score = render(math.score, smap, "score")
-    mask_value = render(math.mask_value, {p: p for p in math.params}, "mask_value")
-    band = cfg.key_band
-    if band is not None and band.hi is not None:
-        limit = f"T.min(seqlen_k, {_band_at(band, band.hi, 'q0 + i')})"
-    else:
-        limit = "seqlen_k"
-    masked = f"T.if_then_else(kt * {BN} + j < {limit}, {score}, {mask_value})"
-    partial = "kt >= n_full"
-    if band is not None and band.lo is not None:
-        masked = f"T.if_then_else(kt * {BN} + j >= {_band_at(band, band.lo, 'q0 + i')}, {masked}, {mask_value})"
-        partial = "kt < full_lo or kt >= n_full"
-    stmt(
-        "softmax",
-        "\n".join(
-            [
-                f"if {partial}:",
-                f"    for i, j in T.Parallel({BM}, {BN}):",
-                f"        acc_s[i, j] = {masked}",
-                "else:",
-                f"    for i, j in T.Parallel({BM}, {BN}):",
-                f"        acc_s[i, j] = {score}",
-            ]
-        ),
-    )
     # ---- old values
     lines = [f"for i in T.Parallel({BM}):"]
     for name in plan.state_names:
@@ -928,6 +906,49 @@ def _emit_loop(src: _Src, b: int, plan: _Plan, cfg: AttentionConfig) -> None:
         rmap = _row_mapping(plan, len(plan.state_names), i="i")
         corr = render(math.acc_correction, rmap, "acc_correction")
         stmt("softmax", f"for i in T.Parallel({BM}):\n    acc_scale[i] = {corr}")
+
+
+def _emit_loop(src: _Src, b: int, plan: _Plan, cfg: AttentionConfig) -> None:
+    math = plan.math
+    BM, BN = cfg.block_m, cfg.block_n
+    body = _Src()
+    stmts: list[str] = []  # role of each top-level statement, for the manual pipeline schedule
+
+    def stmt(role: str, text: str):
+        stmts.append(role)
+        body(0, text)
+
+    stmt("load_k", f"T.copy(K[bz, kt * {BN}:(kt + 1) * {BN}, kv_head, :], K_shared)")
+    stmt("gemm_qk", "T.gemm(Q_shared, K_shared, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)")
+    # ---- score and mask
+    smap = {p: p for p in math.params}
+    smap["acc_s"] = "acc_s[i, j]"
+    score = render(math.score, smap, "score")
+    mask_value = render(math.mask_value, {p: p for p in math.params}, "mask_value")
+    band = cfg.key_band
+    if band is not None and band.hi is not None:
+        limit = f"T.min(seqlen_k, {_band_at(band, band.hi, 'q0 + i')})"
+    else:
+        limit = "seqlen_k"
+    masked = f"T.if_then_else(kt * {BN} + j < {limit}, {score}, {mask_value})"
+    partial = "kt >= n_full"
+    if band is not None and band.lo is not None:
+        masked = f"T.if_then_else(kt * {BN} + j >= {_band_at(band, band.lo, 'q0 + i')}, {masked}, {mask_value})"
+        partial = "kt < full_lo or kt >= n_full"
+    stmt(
+        "softmax",
+        "\n".join(
+            [
+                f"if {partial}:",
+                f"    for i, j in T.Parallel({BM}, {BN}):",
+                f"        acc_s[i, j] = {masked}",
+                "else:",
+                f"    for i, j in T.Parallel({BM}, {BN}):",
+                f"        acc_s[i, j] = {score}",
+            ]
+        ),
+    )
+    emit_online_update(plan, BM, BN, stmt)
     stmt("rescale", f"for i, d in T.Parallel({BM}, {cfg.head_dim}):\n    acc_o[i, d] *= acc_scale[i]")
     stmt("load_v", f"T.copy(V[bz, kt * {BN}:(kt + 1) * {BN}, kv_head, :], V_shared)")
     stmt("gemm_pv", "T.gemm(acc_p, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)")
@@ -1213,13 +1234,7 @@ def _simulate(math, q, k, v, causal, params, block_m, block_n, num_splits, p_dty
                     guards = {}
 
                     def genv(extra, st=st, guards=guards):
-                        env = {}
-                        for name, val in st.items():
-                            env[name] = val
-                            env[name + "_new"] = val
-                        env.update(guards)
-                        env.update(extra)
-                        return env
+                        return state_env(st, guards, extra)
 
                     for g in math.guards:
                         guards[g.name] = ev(g.expr, genv({}))
@@ -1240,45 +1255,7 @@ def _simulate(math, q, k, v, causal, params, block_m, block_n, num_splits, p_dty
                             s = np.where(ok, score, ev(math.mask_value, {}))
                         else:
                             s = score
-                        old = {f"{n}_old": val.copy() for n, val in st.items()}
-                        oldg = {}
-                        for og, (expr, _g) in plan.old_guards.items():
-                            oldg[og] = ev(expr, old)
-                        updated = {}
-                        for idx, s_ in enumerate(math.states):
-                            env_e = {**old, **oldg, **guards, "s": s}
-                            for n, val in updated.items():
-                                env_e[n] = val[:, None]
-                                env_e[n + "_new"] = val[:, None]
-                            env_e = {
-                                key: (val[:, None] if key != "s" and np.ndim(val) == 1 else val) for key, val in env_e.items()
-                            }
-                            term = np.broadcast_to(ev(s_.term, env_e), s.shape)
-                            red = {"max": np.max, "min": np.min, "sum": np.sum}[s_.op](term, axis=1)
-                            env_r = {**old, **oldg, **guards}
-                            for n, val in updated.items():
-                                env_r[n] = val
-                                env_r[n + "_new"] = val
-                            o_val = old[f"{s_.name}_old"]
-                            if s_.correction is not None:
-                                c = ev(s_.correction, env_r)
-                                o_val = o_val * c if s_.correction_op == "mul" else o_val + c
-                            new = {"max": np.maximum, "min": np.minimum, "sum": np.add}[s_.op](o_val, red).astype(f32)
-                            updated[s_.name] = new
-                            st[s_.name] = new
-                            for g in math.guards:
-                                if plan.guard_after[g.name] == idx:
-                                    guards[g.name] = ev(g.expr, genv({}))
-                        env_e = {**old, **oldg}
-                        env_e.update(genv({}))
-                        env_e = {key: (val[:, None] if np.ndim(val) == 1 else val) for key, val in env_e.items()}
-                        env_e["s"] = s
-                        p = np.broadcast_to(ev(math.weight, env_e), s.shape)
-                        if p_dtype is not None:
-                            p = p.astype(p_dtype).astype(f32)
-                        env_r = {**old, **oldg}
-                        env_r.update(genv({}))
-                        scale = ev(math.acc_correction, env_r)
+                        p, scale = simulate_online_update(math, plan, st, guards, s, ev, p_dtype, np)
                         acc_o = (acc_o * scale[:, None] + p @ vt_).astype(f32)
                     sl = rows[valid_rows]
                     if num_splits == 1:
@@ -1294,6 +1271,67 @@ def _simulate(math, q, k, v, causal, params, block_m, block_n, num_splits, p_dty
     if num_splits == 1:
         return out, lse
     return _simulate_merge(math, plan, opart, spart, out.dtype, base_env, np)
+
+
+def state_env(st: dict, guards: dict, extra: dict) -> dict:
+    """Names of the current states (bare and ``_new``), the guards and ``extra``, for evaluating math text."""
+    env = {}
+    for name, val in st.items():
+        env[name] = val
+        env[name + "_new"] = val
+    env.update(guards)
+    env.update(extra)
+    return env
+
+
+def simulate_online_update(math: AttentionMath, plan: _Plan, st: dict, guards: dict, s, ev, p_dtype, np):
+    """One tile's online update in numpy, as ``emit_online_update`` emits it: updates the row states ``st``
+    and ``guards`` in place from the masked scores ``s`` (rows x keys); returns (P, accumulator correction)."""
+    f32 = np.float32
+
+    def genv(extra):
+        return state_env(st, guards, extra)
+
+    old = {f"{n}_old": val.copy() for n, val in st.items()}
+    oldg = {}
+    for og, (expr, _g) in plan.old_guards.items():
+        oldg[og] = ev(expr, old)
+    updated = {}
+    for idx, s_ in enumerate(math.states):
+        env_e = {**old, **oldg, **guards, "s": s}
+        for n, val in updated.items():
+            env_e[n] = val[:, None]
+            env_e[n + "_new"] = val[:, None]
+        env_e = {
+            key: (val[:, None] if key != "s" and np.ndim(val) == 1 else val) for key, val in env_e.items()
+        }
+        term = np.broadcast_to(ev(s_.term, env_e), s.shape)
+        red = {"max": np.max, "min": np.min, "sum": np.sum}[s_.op](term, axis=1)
+        env_r = {**old, **oldg, **guards}
+        for n, val in updated.items():
+            env_r[n] = val
+            env_r[n + "_new"] = val
+        o_val = old[f"{s_.name}_old"]
+        if s_.correction is not None:
+            c = ev(s_.correction, env_r)
+            o_val = o_val * c if s_.correction_op == "mul" else o_val + c
+        new = {"max": np.maximum, "min": np.minimum, "sum": np.add}[s_.op](o_val, red).astype(f32)
+        updated[s_.name] = new
+        st[s_.name] = new
+        for g in math.guards:
+            if plan.guard_after[g.name] == idx:
+                guards[g.name] = ev(g.expr, genv({}))
+    env_e = {**old, **oldg}
+    env_e.update(genv({}))
+    env_e = {key: (val[:, None] if np.ndim(val) == 1 else val) for key, val in env_e.items()}
+    env_e["s"] = s
+    p = np.broadcast_to(ev(math.weight, env_e), s.shape)
+    if p_dtype is not None:
+        p = p.astype(p_dtype).astype(f32)
+    env_r = {**old, **oldg}
+    env_r.update(genv({}))
+    scale = ev(math.acc_correction, env_r)
+    return p, scale
 
 
 def _simulate_merge(math, plan, opart, spart, _dt, base_env, np):

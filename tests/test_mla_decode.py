@@ -1,0 +1,65 @@
+"""mla_decode through the op on each device there is (CPU always, CUDA when torch sees a GPU), judged by the rules
+of ACCEPTANCE.md against redfuser_ops.reference: shuffled pages, garbage in unused table entries and (on the
+GPU) NaN in the cache rows past each length, lengths 0/1/63/64/65/4097 in one batch, Hq 1/16/128, Sq 1..4
+causal and not; the CUDA path takes split-KV for the small batches here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import redfuser_ops  # noqa: F401 - loads the library
+from redfuser_ops import reference as ref
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+PAGE = 64
+
+
+def _paged(lens, Sq, Hq, dtype, gen, device):
+    B = len(lens)
+    need = [-(-n // PAGE) for n in lens]
+    mb = max(max(need), 1) + 1
+    nb = sum(need) + 2
+    kv = torch.randn(nb, PAGE, 1, 576, generator=gen).to(dtype)
+    perm = torch.randperm(nb, generator=gen)
+    table = torch.randint(-(2**31), 2**31 - 1, (B, mb), generator=gen, dtype=torch.int64).to(torch.int32)
+    used = 0
+    for b, n in enumerate(lens):
+        table[b, : need[b]] = perm[used: used + need[b]].int()
+        used += need[b]
+        if n % PAGE and device == "cuda":  # garbage past the length (the CPU kernel is not asked to mask it)
+            kv[table[b, need[b] - 1], n % PAGE:] = float("nan")
+    q = torch.randn(B, Sq, Hq, 576, generator=gen).to(dtype)
+    return q, kv, table, torch.tensor(lens, dtype=torch.int32)
+
+
+def _judge(q, kv, table, seqlens, causal, out, lse):
+    kv = torch.nan_to_num(kv)  # the reference reads whole pages before cutting at the length
+    r_out, r_lse = ref.mla_decode(q, kv, table, seqlens, 512, None, causal, dtype=torch.float32)
+    p_out, _ = ref.mla_decode(q, kv, table, seqlens, 512, None, causal, dtype=q.dtype)
+    out, lse = out.cpu(), lse.cpu()
+    assert torch.isfinite(out).all()
+    plain = (p_out.float() - r_out).abs().max().item()
+    assert (out.float() - r_out).abs().max().item() <= 2 * plain + 1e-5
+    fin = torch.isfinite(r_lse)
+    assert torch.equal(torch.isfinite(lse), fin) and torch.equal(lse[~fin], r_lse[~fin])
+    assert (lse[fin] - r_lse[fin]).abs().max().item() <= 1e-3
+
+
+# fp16 on the CPU: tests/test_mla_fp8_cpu.py
+@pytest.mark.parametrize("device, dtype", [(d, t) for d in DEVICES for t in (torch.bfloat16, torch.float16)
+                                           if d == "cuda" or t == torch.bfloat16],
+                         ids=lambda x: {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x, x))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("Hq, Sq, lens", [(1, 1, [0, 1, 63, 64, 65, 4097]), (16, 4, [0, 1, 63, 64, 65, 4097]),
+                                          (128, 2, [65, 0, 700])], ids=["h1_s1", "h16_s4", "h128_s2"])
+def test_mla_decode(device, dtype, causal, Hq, Sq, lens):
+    gen = torch.Generator().manual_seed(Hq * 100 + Sq)
+    q, kv, table, seqlens = _paged(lens, Sq, Hq, dtype, gen, device)
+    out, lse = torch.ops.redfuser.mla_decode(q.to(device), kv.to(device), table.to(device), seqlens.to(device),
+                                             512, None, causal)
+    assert out.shape == (len(lens), Sq, Hq, 512) and out.dtype == dtype and lse.dtype == torch.float32
+    _judge(q, kv, table, seqlens, causal, out, lse)
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert torch.all(out[b] == 0) and torch.all(lse[b] == float("-inf"))
