@@ -209,8 +209,10 @@ def test_autograd_falls_back_and_backward_works():
     torch.testing.assert_close(out.loss, eager(ids, labels=ids).loss, rtol=1e-5, atol=1e-5)
 
 
-def test_model_without_sdpa_support_keeps_its_attention():
-    # Gemma-2 soft-caps its attention scores (and says so with _supports_sdpa = False)
+def test_soft_capped_model_keeps_the_eager_answer():
+    # Gemma-2 soft-caps its attention scores, which fused_attention does not do: either apply_redfuser leaves
+    # its attention alone (transformers marks it _supports_sdpa = False, as 5.24 does) or every call falls
+    # back to Gemma-2's own eager function; the op never runs and the tokens are eager's
     config = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                        attn_logit_softcapping=5.0, pad_token_id=0)
@@ -219,11 +221,16 @@ def test_model_without_sdpa_support_keeps_its_attention():
     ids = prompt(batch=1)
     want = greedy(model, ids)
     report = rt.apply_redfuser(model)
-    assert not report.attention and "sdpa" in report.skipped[0]
-    assert model.config._attn_implementation == "eager"
+    if model._supports_sdpa:
+        assert report.attention
+    else:
+        assert not report.attention and "sdpa" in report.skipped[0]
+        assert model.config._attn_implementation == "eager"
+    rt.reset_stats()
     with OpCounter() as ops:
         assert torch.equal(greedy(model, ids), want)
     assert ops.attention == 0
+    assert rt.stats() == ({"attention_fallback:softcap": layers(model) * NEW_TOKENS} if report.attention else {})
 
 
 def test_softcap_call_falls_back_to_the_model_eager_function():

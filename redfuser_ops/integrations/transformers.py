@@ -396,10 +396,22 @@ _CHECKED: dict[tuple, str | None] = {}
 
 def _self_check(module: torch.nn.Module, kind: _RouterKind) -> str | None:
     """Run the class's own forward and redfuser's on a float32 CPU copy of `module` with random weights
-    and inputs; None when they agree (same logits, same dense weights per expert, same dtypes)."""
+    and inputs; None when they agree (same logits, same dense weights per expert, same dtypes), else what
+    differs. Another transformers version whose router reads other attributes or returns other things
+    fails here, and its routers are left alone."""
+    missing = [a for a in (*kind.attrs, "weight", kind.bias or "weight") if not hasattr(module, a)]
+    if missing:
+        return f"the router has no attribute {', '.join(missing)} (another transformers version?)"
     key = (type(module), tuple(getattr(module, a) for a in kind.attrs))
-    if key in _CHECKED:
-        return _CHECKED[key]
+    if key not in _CHECKED:
+        try:
+            _CHECKED[key] = _compare_on_probe(module, kind)
+        except Exception as e:  # noqa: BLE001 - any failure of either forward on the probe: do not patch
+            _CHECKED[key] = f"the probe run failed ({type(e).__name__}: {e})"
+    return _CHECKED[key]
+
+
+def _compare_on_probe(module: torch.nn.Module, kind: _RouterKind) -> str | None:
     gen = torch.Generator().manual_seed(0)
     probe = copy.deepcopy(module).to_empty(device="cpu").float()
     hidden = module.hidden_dim
@@ -410,29 +422,20 @@ def _self_check(module: torch.nn.Module, kind: _RouterKind) -> str | None:
         x = torch.randn(64, hidden, generator=gen)
         want = type(probe).forward(probe, x)
         got = kind.forward(probe, x)
-    problem = None
-    try:
-        if len(got) != len(want):
-            problem = f"returns {len(want)} values, redfuser's forward {len(got)}"
-        else:
-            w_logits, w_weights, w_ids = want
-            g_logits, g_weights, g_ids = got
-            if not torch.equal(g_logits, w_logits):
-                problem = "router logits differ"
-            elif (g_weights.dtype, g_ids.dtype, g_ids.shape) != (w_weights.dtype, w_ids.dtype, w_ids.shape):
-                problem = (f"outputs differ in dtype/shape: weights {w_weights.dtype} vs {g_weights.dtype}, "
-                           f"ids {w_ids.dtype}{tuple(w_ids.shape)} vs {g_ids.dtype}{tuple(g_ids.shape)}")
-            else:
-                experts = module.num_experts
-                dense_w = torch.zeros(x.shape[0], experts).scatter_add_(1, w_ids, w_weights.float())
-                dense_g = torch.zeros(x.shape[0], experts).scatter_add_(1, g_ids, g_weights.float())
-                if not torch.allclose(dense_g, dense_w, rtol=1e-5, atol=1e-6):
-                    err = (dense_g - dense_w).abs().max().item()
-                    problem = f"per-expert routing weights differ (max {err:.3g})"
-    except (TypeError, ValueError) as e:
-        problem = f"unexpected router outputs ({e})"
-    _CHECKED[key] = problem
-    return problem
+    if not isinstance(want, tuple) or len(want) != 3:
+        return "the router does not return (logits, weights, ids)"
+    (w_logits, w_weights, w_ids), (g_logits, g_weights, g_ids) = want, got
+    if not torch.equal(g_logits, w_logits):
+        return "router logits differ"
+    if (g_weights.dtype, g_ids.dtype, g_ids.shape) != (w_weights.dtype, w_ids.dtype, w_ids.shape):
+        return (f"outputs differ in dtype/shape: weights {w_weights.dtype} vs {g_weights.dtype}, "
+                f"ids {w_ids.dtype}{tuple(w_ids.shape)} vs {g_ids.dtype}{tuple(g_ids.shape)}")
+    experts = module.num_experts
+    dense_w = torch.zeros(x.shape[0], experts).scatter_add_(1, w_ids, w_weights.float())
+    dense_g = torch.zeros(x.shape[0], experts).scatter_add_(1, g_ids, g_weights.float())
+    if not torch.allclose(dense_g, dense_w, rtol=1e-5, atol=1e-6):
+        return f"per-expert routing weights differ (max {(dense_g - dense_w).abs().max().item():.3g})"
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
