@@ -2,6 +2,7 @@
 # Does one built wheel work on the oldest torch it claims and on the newest torch on the index?
 #
 #   bench/torch_versions.sh WHEEL [TORCH_VERSION...]     (default versions: 2.10.0 newest)
+#   bench/torch_versions.sh --summary                    (only rewrite summary.md from the torch-*.txt there)
 #
 # For each torch version: a fresh venv (under $REDFUSER_TORCH_VENVS, default /tmp/redfuser-torch-venvs), torch
 # from the package index, the wheel installed with --no-deps, the test requirements of the op tests, then the op
@@ -16,11 +17,15 @@
 set -u -o pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-WHEEL=${1:?usage: bench/torch_versions.sh WHEEL [TORCH_VERSION...]}
+WHEEL=${1:?usage: bench/torch_versions.sh WHEEL [TORCH_VERSION...]   (or --summary: only rewrite summary.md)}
 shift
-WHEEL=$(cd "$(dirname "$WHEEL")" && pwd)/$(basename "$WHEEL")
 VERSIONS=("$@")
-[ ${#VERSIONS[@]} -eq 0 ] && VERSIONS=(2.10.0 newest)
+if [ "$WHEEL" = --summary ]; then
+  VERSIONS=()
+else
+  WHEEL=$(cd "$(dirname "$WHEEL")" && pwd)/$(basename "$WHEEL")
+  [ ${#VERSIONS[@]} -eq 0 ] && VERSIONS=(2.10.0 newest)
+fi
 VENVS=${REDFUSER_TORCH_VENVS:-/tmp/redfuser-torch-venvs}
 OUTDIR=$REPO/bench/results/torch-versions
 PY=${PYTHON:-python3}
@@ -33,7 +38,7 @@ newest() {
 }
 
 status=0
-for v in "${VERSIONS[@]}"; do
+for v in ${VERSIONS[@]+"${VERSIONS[@]}"}; do
   if [ "$v" = newest ]; then
     v=$(newest)
     [ -n "$v" ] || { echo "cannot resolve the newest torch on the index" >&2; status=1; continue; }
@@ -52,7 +57,8 @@ for v in "${VERSIONS[@]}"; do
   fi
   {
     echo "wheel: $(basename "$WHEEL")"
-    "$venv/bin/python" - <<'EOF'
+    # from / : the repository root would put the source tree's redfuser_ops first on sys.path
+    (cd / && "$venv/bin/python" - <<'EOF'
 import platform, torch, redfuser_ops
 info = redfuser_ops.info()
 print(f"torch: {torch.__version__} (CUDA build {torch.version.cuda}, cuda available: {torch.cuda.is_available()})")
@@ -60,6 +66,7 @@ print(f"python: {platform.python_version()}, {platform.machine()}, glibc {platfo
 print(f"redfuser-ops: {info['version']} built with torch {info['torch_built_with']}, "
       f"targets torch {info['torch_target']}, families {info['families'] or 'none (CPU only)'}")
 EOF
+    )
     echo "tests: ${TESTS[*]}"
   } >"$out" 2>&1
   # the tests import the installed package (tests/conftest.py keeps the source tree's redfuser_ops out)
