@@ -13,6 +13,8 @@
 #
 # Writes bench/results/torch-versions/torch-<version>.txt (versions, wheel, pytest summary) and
 # bench/results/torch-versions/summary.md (one row per version, rewritten from every torch-*.txt there).
+# Environment: REDFUSER_TORCH_REUSE=1 keeps a venv that already has that torch (reinstalls the wheel);
+# REDFUSER_TORCH_TESTS_K: a pytest -k selection (recorded in the result).
 # Exit status: 0 when every version passed.
 set -u -o pipefail
 
@@ -30,6 +32,7 @@ VENVS=${REDFUSER_TORCH_VENVS:-/tmp/redfuser-torch-venvs}
 OUTDIR=$REPO/bench/results/torch-versions
 PY=${PYTHON:-python3}
 TESTS=(tests/test_moe_route.py tests/test_fused_attention.py tests/test_mla_fp8_cpu.py tests/test_library.py)
+SELECT=${REDFUSER_TORCH_TESTS_K:-}  # a pytest -k expression (e.g. on a loaded machine: "not matches_reference")
 export PIP_CONFIG_FILE=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1
 mkdir -p "$OUTDIR" "$VENVS"
 
@@ -46,10 +49,16 @@ for v in ${VERSIONS[@]+"${VERSIONS[@]}"}; do
   venv=$VENVS/torch-$v
   out=$OUTDIR/torch-$v.txt
   echo "== torch $v: $venv"
-  rm -rf "$venv"
-  "$PY" -m venv "$venv"
   pip_() { "$venv/bin/python" -m pip install -q "$@"; }
-  if ! pip_ "torch==$v" || ! pip_ --no-deps "$WHEEL" \
+  if [ "${REDFUSER_TORCH_REUSE:-0}" = 1 ] && "$venv/bin/python" -c \
+      "import importlib.metadata as m, sys; sys.exit(m.version('torch').split('+')[0] != '$v')" 2>/dev/null; then
+    echo "   reusing the venv's torch $v"
+  else
+    rm -rf "$venv"
+    "$PY" -m venv "$venv"
+    pip_ "torch==$v" || { echo "torch $v: installing torch failed" | tee "$out"; status=1; continue; }
+  fi
+  if ! pip_ --no-deps --force-reinstall "$WHEEL" \
       || ! pip_ "pytest>=7" "hypothesis>=6" numpy "pyyaml>=6" "sympy>=1.13"; then
     echo "torch $v: installing failed" | tee "$out"
     status=1
@@ -67,10 +76,11 @@ print(f"redfuser-ops: {info['version']} built with torch {info['torch_built_with
       f"targets torch {info['torch_target']}, families {info['families'] or 'none (CPU only)'}")
 EOF
     )
-    echo "tests: ${TESTS[*]}"
+    echo "tests: ${TESTS[*]}${SELECT:+ -k \"$SELECT\"}"
   } >"$out" 2>&1
   # the tests import the installed package (tests/conftest.py keeps the source tree's redfuser_ops out)
-  (cd "$REPO" && nice "$venv/bin/python" -m pytest -q -p no:cacheprovider "${TESTS[@]}" 2>&1) >"$out.log"
+  (cd "$REPO" && nice "$venv/bin/python" -m pytest -q -p no:cacheprovider "${TESTS[@]}" ${SELECT:+-k "$SELECT"} 2>&1) \
+    >"$out.log"
   rc=$?
   {
     echo "pytest exit: $rc"
