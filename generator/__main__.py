@@ -78,7 +78,12 @@ def cmd_emit(args: argparse.Namespace) -> int:
     )
 
     return emit(out=Path(args.out), families=[f for f in args.archs.replace(",", ";").split(";") if f],
-                specs=_paths(args.specs), jobs=args.jobs)
+                specs=_paths(args.specs), jobs=args.jobs, ops=_names(args.ops), dtypes=_names(args.dtypes))
+
+
+def _names(text: str) -> list[str] | None:
+    names = [n for n in text.replace(",", ";").split(";") if n]
+    return names or None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--archs", default="sm80;sm90a;sm100a", help="arch families, ';'-separated ('' = CPU only)")
     p.add_argument("--jobs", type=int, default=0, help="parallel lowering processes (0 = number of CPUs)")
+    p.add_argument("--ops", default="", help="only these ops get CUDA kernels (';'-separated; '' = all)")
+    p.add_argument("--dtypes", default="", help="only CUDA variants of these dtypes (';'-separated; '' = all)")
     p.add_argument("specs", nargs="*")
     p.set_defaults(fn=cmd_emit)
     args = parser.parse_args(argv)

@@ -156,33 +156,51 @@ def template_report(spec: OpSpec, op: OpAnalysis) -> list[str]:
     return out
 
 
-def cuda_for_op(spec: OpSpec, op: OpAnalysis, families: list[str], out_dir: Path, jobs: int,
-                log: Callable[[str], None]) -> tuple[CudaGlue | None, dict[str, list[Path]]]:
+def cuda_plan(spec: OpSpec, op: OpAnalysis, families: list[str], log: Callable[[str], None]):
+    """The op's CUDA variants (a Plan and its body maker), or None when it gets no CUDA kernel."""
     cv = spec.variants.cuda
     fams = [f for f in families if f in cv.families]
     if not fams:
         log(f"{spec.name}: none of the requested families {families} is supported ({cv.families}): CPU only")
-        return None, {}
+        return None
+    if not cv.dtypes:
+        log(f"{spec.name}: no CUDA dtype selected: CPU only")
+        return None
     name, plan, refused = choose_template(spec, op, fams)
     if name is None:
         why = "; ".join(f"{t}: {r}" for t, r in refused.items())
         if cv.template and cv.template not in TEMPLATES:
             log(f"{spec.name}: no kernel template '{cv.template}' in this generator yet: CPU only")
-            return None, {}
+            return None
         raise BridgeError(f"{spec.file}: no CUDA kernel template accepts {spec.name} ({why}); remove its "
                           f"variants.cuda section to build it for the CPU only")
-    make_body = TEMPLATES[name][1]
     log(f"{spec.name}: {len(plan.jobs)} CUDA variant(s) from template {name}"
         + ("" if cv.template else " (chosen: the first template that accepts the cascade)"))
-    lowered = lower_all(plan.jobs, Path(out_dir), jobs, log)
-    body = make_body(spec, plan, lowered)
-    decl = declarations(lowered) + [""] + [_variant_object(s, spec.name, i["family"]) for s, i in sorted(lowered.items())]
+    return plan, TEMPLATES[name][1]
+
+
+def cuda_glue(spec: OpSpec, planned, lowered: dict[str, dict]) -> tuple[CudaGlue, dict[str, list[Path]]]:
+    """The op's launch code and .cu files, once `lower_all` has lowered (at least) its plan's jobs."""
+    plan, make_body = planned
+    mine = {j.symbol: lowered[j.symbol] for j in plan.jobs}
+    body = make_body(spec, plan, mine)
+    decl = declarations(mine) + [""] + [_variant_object(s, spec.name, i["family"]) for s, i in sorted(mine.items())]
     decl += getattr(plan, "support", [])
     files: dict[str, list[Path]] = {}
-    for sym, info in sorted(lowered.items()):
+    for sym, info in sorted(mine.items()):
         files.setdefault(info["family"], []).append(info["path"])
-    glue = CudaGlue(declarations=decl, body=body, variants=[(s, i["family"]) for s, i in sorted(lowered.items())])
+    glue = CudaGlue(declarations=decl, body=body, variants=[(s, i["family"]) for s, i in sorted(mine.items())])
     return glue, files
 
 
-__all__ = ["TEMPLATES", "BridgeError", "Job", "Plan", "attention_math", "choose_template", "cuda_for_op", "lower_all", "row_program", "template_report"]
+def cuda_for_op(spec: OpSpec, op: OpAnalysis, families: list[str], out_dir: Path, jobs: int,
+                log: Callable[[str], None]) -> tuple[CudaGlue | None, dict[str, list[Path]]]:
+    """One op alone: plan, lower, glue (`emit` plans every op first and lowers all variants in one pool)."""
+    planned = cuda_plan(spec, op, families, log)
+    if planned is None:
+        return None, {}
+    return cuda_glue(spec, planned, lower_all(planned[0].jobs, Path(out_dir), jobs, log))
+
+
+__all__ = ["TEMPLATES", "BridgeError", "Job", "Plan", "attention_math", "choose_template", "cuda_for_op", "cuda_glue",
+           "cuda_plan", "lower_all", "row_program", "template_report"]

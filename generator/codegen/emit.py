@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from .. import __version__
@@ -27,7 +28,14 @@ def log(msg: str) -> None:
     print(f"[redfuser generator] {msg}", flush=True)
 
 
-def emit(out: Path, families: list[str], specs: list[Path], jobs: int = 0) -> int:
+def emit(out: Path, families: list[str], specs: list[Path], jobs: int = 0,
+         ops: list[str] | None = None, dtypes: list[str] | None = None) -> int:
+    """Generate everything; `ops`/`dtypes` (None = all) restrict the CUDA variants (a development subset).
+
+    Every op's CUDA variants are planned first and lowered together in one process pool, so that no
+    worker waits for the last variant of one op before the next op's start (and TileLang is imported once
+    per worker, not once per op and worker).
+    """
     t0 = time.time()
     for f in families:
         if f not in KNOWN_FAMILIES:
@@ -40,24 +48,53 @@ def emit(out: Path, families: list[str], specs: list[Path], jobs: int = 0) -> in
     python_files: list[Path] = []
     cuda_sources: dict[str, list[Path]] = {f: [] for f in families}
     written = 0
-    for path in specs:
+    try:
+        loaded = [load_spec(path) for path in specs]
+    except SpecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    problem = _check_subset(loaded, ops, dtypes)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    derived = []
+    for spec in loaded:
         try:
-            spec = load_spec(path)
-            log(f"{spec.name}: deriving forms ({path.name})")
-            op = derive(spec)
+            log(f"{spec.name}: deriving forms ({Path(spec.file).name})")
+            derived.append((spec, derive(spec)))
         except (SpecError, FusionError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
-        cuda = None
-        if families and spec.variants.cuda is not None:
-            from .bridge import BridgeError
-            from .cuda import cuda_for_op  # imports tilelang: only when CUDA is built
+    planned = {}
+    if families:
+        from .bridge import BridgeError
+        from .cuda import (  # imports tilelang: only when CUDA is built
+            cuda_glue,
+            cuda_plan,
+            lower_all,
+        )
 
+        for spec, op in derived:
+            cv = spec.variants.cuda
+            if cv is None or (ops and spec.name not in ops):
+                continue
+            if dtypes:
+                cv = replace(cv, dtypes=tuple(d for d in cv.dtypes if d in dtypes))
+                spec = replace(spec, variants=replace(spec.variants, cuda=cv))
             try:
-                cuda, files = cuda_for_op(spec, op, families, out / "cuda", jobs, log)
+                p = cuda_plan(spec, op, families, log)
             except BridgeError as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 1
+            if p is not None:
+                planned[spec.name] = (spec, p)
+        all_jobs = [j for _, p in planned.values() for j in p[0].jobs]
+        lowered = lower_all(all_jobs, out / "cuda", jobs, log) if all_jobs else {}
+    for spec, op in derived:
+        cuda = None
+        if spec.name in planned:
+            cuda_spec, p = planned[spec.name]
+            cuda, files = cuda_glue(cuda_spec, p, lowered)
             for fam, paths in files.items():
                 cuda_sources[fam] += paths
         header = f"{spec.name}_cpu.h"
@@ -66,8 +103,8 @@ def emit(out: Path, families: list[str], specs: list[Path], jobs: int = 0) -> in
         except EmitError as exc:
             print(f"error: {spec.file}: {exc}", file=sys.stderr)
             return 1
-        for p, text in files_text.items():
-            written += write_if_changed(p, text)
+        for p_, text in files_text.items():
+            written += write_if_changed(p_, text)
         cpu_sources += [cpu_dir / f"{spec.name}_cpu.cpp", cpu_dir / f"{spec.name}_ops.cpp"]
         kernel_sources.append(cpu_dir / f"{spec.name}_cpu.cpp")
         python_files.append(py_dir / f"_generated_{spec.name}.py")
@@ -135,6 +172,19 @@ def emitter_problems(op) -> list[str]:
             problems.append(f"no CUDA kernel template accepts this cascade ({why}); remove variants.cuda to build "
                             f"it for the CPU only")
     return problems
+
+
+def _check_subset(specs: list, ops: list[str] | None, dtypes: list[str] | None) -> str | None:
+    """A typo in a subset setting must not silently build nothing."""
+    with_cuda = {spec.name: spec.variants.cuda for spec in specs if spec.variants.cuda is not None}
+    unknown = sorted(set(ops or ()) - set(with_cuda))
+    if unknown:
+        return f"CUDA ops {unknown} do not exist (ops with a CUDA section: {', '.join(sorted(with_cuda))})"
+    known = {d for cv in with_cuda.values() for d in cv.dtypes}
+    unknown = sorted(set(dtypes or ()) - known)
+    if unknown:
+        return f"CUDA dtypes {unknown} are not built by any op (known: {', '.join(sorted(known))})"
+    return None
 
 
 def _stamp(text: str, spec_file: str) -> str:
