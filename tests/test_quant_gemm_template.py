@@ -273,6 +273,10 @@ def test_split_plan():
     assert f(16, 2048, 7168, 64, 128, 128, 132) > 1
     assert f(1, 16, 16, 64, 128, 128, 132) == 1  # one K tile: nothing to split
     assert f(1, 16, 512, 64, 128, 128, 132) == 2  # 4 tiles: at most 2 segments of 2
+    for args in [(1, 2112, 7168, 64, 128, 128, 132), (7, 512, 1280, 64, 128, 128, 108), (3, 4096, 2048, 64, 128, 64, 58)]:
+        n, tiles = f(*args), -(-args[2] // args[5])
+        per = -(-tiles // n)
+        assert (n - 1) * per < tiles  # no empty segment
 
 
 def test_split_plan_cpp_matches_python(tmp_path):

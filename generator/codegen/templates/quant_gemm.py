@@ -195,7 +195,8 @@ def choose_num_splits(rows: int, cols: int, depth: int, block_m: int, block_n: i
     best = max(effs)
     for s in range(1, limit + 1):
         if effs[s - 1] * 100 >= best * 90:
-            return s
+            per = (n_tiles + s - 1) // s
+            return (n_tiles + per - 1) // per  # as many segments as the tiles fill: none is empty
     return 1
 
 
@@ -217,7 +218,10 @@ static int quant_gemm_num_splits(int64_t rows, int64_t cols, int64_t depth, int6
   }
   for (int64_t s = 1; s <= limit; ++s) {
     const int64_t total = n_ctas * s, eff = total * 1000 / (((total + num_sms - 1) / num_sms) * num_sms);
-    if (eff * 100 >= best * 90) return static_cast<int>(s);
+    if (eff * 100 >= best * 90) {
+      const int64_t per = (n_tiles + s - 1) / s;
+      return static_cast<int>((n_tiles + per - 1) / per);  // as many segments as the tiles fill: none is empty
+    }
   }
   return 1;
 }
