@@ -14,8 +14,8 @@ Sizes (see docs/benchmarks.md):
   memory and latency.
 - fp8_quant_gemm: the linear layers of DeepSeek-V3 and Llama-3-8B (GEMMS) at M 1, 16, 128, 1024, 4096 tokens, bf16
   activations, e4m3 weights with per-channel scales; peers: per-token quantisation in torch + torch._scaled_mm
-  with row-wise scales (CUDA) or a float32 matmul of the quantised values (CPU), and the plain bf16 torch.mm on
-  a bf16 weight. flops = 2 M N K; bytes = x + w + w_scale + out, each once.
+  with row-wise scales and the plain bf16 torch.mm on a bf16 weight (CUDA), or a float32 matmul of the quantised
+  values with the weight held in float32 (CPU). flops = 2 M N K; bytes = x + w + w_scale + out, each once.
 """
 
 from __future__ import annotations
@@ -447,14 +447,16 @@ def gemm_case(gemm: str, M: int, dtype: torch.dtype, device: str, priority: int)
         x = torch.randn(M, K, generator=gen, device=dev).to(dtype)
         w = (torch.randn(N, K, generator=gen, device=dev) * 0.05).to(torch.float8_e4m3fn)
         ws = torch.rand(N, generator=gen, device=dev) + 0.5
-        return x, w, ws, (w.to(dtype) * ws.to(dtype)[:, None])  # the bf16/fp16 weight a plain model holds
+        if dev == "cuda":  # the bf16/fp16 weight a plain model holds (for torch.mm)
+            return x, w, ws, (w.to(dtype) * ws.to(dtype)[:, None])
+        return x, w, ws, w.float()  # the CPU two-pass path's weight: the e4m3 values in float32, converted once
 
     impls = [Impl("redfuser", lambda x, w, ws, wd: torch.ops.redfuser.fp8_quant_gemm(x, w, ws))]
     if device == "cuda":
         impls.append(Impl("two_pass_scaled_mm", lambda x, w, ws, wd: peers.two_pass_scaled_mm(x, w, ws, dtype)))
         impls.append(Impl("mm_" + DT_SHORT[dtype], lambda x, w, ws, wd: torch.mm(x, wd.t())))
     else:
-        impls.append(Impl("two_pass_torch", lambda x, w, ws, wd: peers.two_pass_torch(x, w, ws, dtype)))
+        impls.append(Impl("two_pass_torch", lambda x, w, ws, wf: peers.two_pass_torch(x, wf, ws, dtype)))
     return Case("fp8_quant_gemm", "gemm", f"{gemm} M{M} {DT_SHORT[dtype]}", params, dtype, flops, nbytes,
                 M * K * esize + N * K * (1 + esize) + 4 * N, make_inputs, impls, _gemm_check(M, N, K), priority)
 

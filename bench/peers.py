@@ -151,8 +151,9 @@ def two_pass_scaled_mm(x: Tensor, w: Tensor, w_scale: Tensor, out_dtype: torch.d
     return torch._scaled_mm(q, w.t(), scale_a=s, scale_b=sw, out_dtype=out_dtype)
 
 
-def two_pass_torch(x: Tensor, w: Tensor, w_scale: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """The same two passes where torch has no fp8 GEMM (the CPU): quantise, then a float32 matmul of the
-    e4m3 values, scaled per row and per channel."""
+def two_pass_torch(x: Tensor, w_f32: Tensor, w_scale: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """The same two passes where torch has no fp8 GEMM (the CPU): quantise, then a float32 matmul of the e4m3
+    values with the weight's e4m3 values held in float32 (converted once, as a user would), scaled per row and
+    per channel."""
     q, s = per_token_fp8(x)
-    return ((q.float() @ w.float().t()) * s * w_scale.float().reshape(1, -1)).to(out_dtype)
+    return ((q.float() @ w_f32.t()) * s * w_scale.float().reshape(1, -1)).to(out_dtype)
