@@ -108,3 +108,4 @@ def test_bad_sizes_are_refused(device):
     with pytest.raises(RuntimeError, match="N must be a multiple of 16"):
         torch.ops.redfuser.fp8_quant_gemm(x, w[:24], ws[:24])
     assert torch.ops.redfuser.fp8_quant_gemm(x[:0], w, ws).shape == (0, 32)
+    assert torch.ops.redfuser.fp8_quant_gemm(x, w[:0], ws[:1]).shape == (4, 0)
