@@ -356,6 +356,19 @@ def pass_configs(cfg: QuantConfig) -> dict:
     return {"tl.enable_fast_math": True}
 
 
+def _preamble(math: QuantMath, cfg: QuantConfig, symbol: str, what: str) -> _Src:
+    """Header comment, metadata and the opening of make_prim_func()."""
+    src = _Src()
+    src(0, _HEADER.format(version=TEMPLATE_VERSION, what=what, variant=symbol, digest=_digest(math),
+                          schedule=_schedule(cfg), arch=cfg.arch, pass_configs=pass_configs(cfg)))
+    src(0, f"STATE_ORDER = {tuple(s.name for s in math.states)!r}  # first axis of Spart (split-K)")
+    src(0, "")
+    src(0, "")
+    src(0, "def make_prim_func():")
+    src(1, "accum_dtype = T.float32")
+    return src
+
+
 def _sfrag(name: str) -> str:
     return f"st_{name}"
 
@@ -402,15 +415,8 @@ def emit_program(math: QuantMath, cfg: QuantConfig, symbol: str) -> str:
     nst = len(states)
     qmax = QUANT_DTYPES[math.quant_dtype]
     after = _guard_after(math)
-    src = _Src()
-    src(0, _HEADER.format(version=TEMPLATE_VERSION, what="", variant=symbol, digest=_digest(math),
-                          schedule=_schedule(cfg), arch=cfg.arch, pass_configs=pass_configs(cfg)))
-    src(0, f"STATE_ORDER = {tuple(s.name for s in states)!r}  # first axis of Spart (split-K)")
-    src(0, "")
-    src(0, "")
-    src(0, "def make_prim_func():")
+    src = _preamble(math, cfg, symbol, "")
     src(1, f"dtype = {TL_DTYPES[cfg.x_dtype]}")
-    src(1, "accum_dtype = T.float32")
     src(1, f"q_dtype = {TL_DTYPES[math.quant_dtype]}")
     # the GEMM's operand dtype: fp8 on fp8 tensor cores, else bf16 (every e4m3 value is a bf16 value)
     src(1, f"mma_dtype = {'q_dtype' if cfg.fp8_mma else 'T.bfloat16'}")
@@ -560,14 +566,7 @@ def emit_merge_program(math: QuantMath, cfg: QuantConfig, symbol: str, block_m: 
     """The merge of split-K segments: Spart, Cpart -> Out (merge form, then the output expression)."""
     check_math(math)
     nst = len(math.states)
-    src = _Src()
-    src(0, _HEADER.format(version=TEMPLATE_VERSION, what=" (merge)", variant=symbol, digest=_digest(math),
-                          schedule=_schedule(cfg), arch=cfg.arch, pass_configs=pass_configs(cfg)))
-    src(0, f"STATE_ORDER = {tuple(s.name for s in math.states)!r}  # first axis of Spart")
-    src(0, "")
-    src(0, "")
-    src(0, "def make_prim_func():")
-    src(1, "accum_dtype = T.float32")
+    src = _preamble(math, cfg, symbol, " (merge)")
     src(1, f"out_dtype = {TL_DTYPES[cfg.out_dtype]}")
     _signature(src, math, symbol, ["num_splits", "rows", "cols"] + _vector_dims(math), _partials(nst), True)
     BM, BN = block_m, block_n
