@@ -23,7 +23,8 @@ import sympy as sp
 from ...spec import OpSpec
 from ...symbolic.expr import Cast
 from ...symbolic.forms import Analysis, OpAnalysis
-from ..bridge import BridgeError
+from ..bridge import BridgeError, Job, Plan, launch_call
+from ..glue import SCALAR_TYPES
 from ..tl_print import TLPrinter
 from . import quant_gemm as qg
 
@@ -254,8 +255,6 @@ def quant_plan(spec: OpSpec, op: OpAnalysis, families: list[str]):
     kernel per X dtype, and a merge kernel per output dtype. Other output dtypes take the split path (with one
     segment when the split plan says 1): every combination runs, and the build compiles 2 + 2 + 3 files, not
     the 6 single-segment kernels of every (X, output) pair."""
-    from ..cuda import Job, Plan
-
     math, roles = quant_math(spec, op)
     cv = spec.variants.cuda
     static = dict(cv.static)
@@ -287,9 +286,6 @@ def quant_plan(spec: OpSpec, op: OpAnalysis, families: list[str]):
 
 def quant_body(spec: OpSpec, plan, lowered: dict[str, dict]) -> list[str]:
     """impl_cuda: dense aligned operands, float32 vectors, the split-K plan from host sizes, one launch per call."""
-    from ..cuda import _call
-    from ..glue import SCALAR_TYPES
-
     math: qg.QuantMath = plan.math
     r: Roles = plan.roles
     fams = ", ".join(f'"{f}"' for f in plan.families)
@@ -356,7 +352,7 @@ def quant_body(spec: OpSpec, plan, lowered: dict[str, dict]) -> list[str]:
         if sym is not None:
             L += [
                 "    if (ns <= 1) {",
-                f"      redfuser::launch(kV_{sym}, ctx, [&](void* s) {{ return {_call(sym, lowered[sym]['params'], args)}; }});",
+                f"      redfuser::launch(kV_{sym}, ctx, [&](void* s) {{ return {launch_call(sym, lowered[sym]['params'], args)}; }});",
                 "    } else {",
             ]
         else:
@@ -365,9 +361,9 @@ def quant_body(spec: OpSpec, plan, lowered: dict[str, dict]) -> list[str]:
             f"      Tensor spart = torch::stable::new_empty(xx, {{{nst}, ns, rows}}, ScalarType::Float);",
             "      Tensor cpart = torch::stable::new_empty(xx, {ns, rows, cols}, ScalarType::Float);",
             (f"      redfuser::launch(kV_{split_sym}, ctx, [&](void* s) {{ return "
-             f"{_call(split_sym, lowered[split_sym]['params'], args)}; }});"),
+             f"{launch_call(split_sym, lowered[split_sym]['params'], args)}; }});"),
             (f"      redfuser::launch(kV_{merge}, ctx, [&](void* s) {{ return "
-             f"{_call(merge, lowered[merge]['params'], args)}; }});"),
+             f"{launch_call(merge, lowered[merge]['params'], args)}; }});"),
             "    }",
             "    launched = true;",
             "  }",
