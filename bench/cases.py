@@ -12,6 +12,10 @@ Sizes (see docs/benchmarks.md):
   renormalised, x2.5); T tokens. bytes = logits + bias + weights + ids; flops counted as E * (5 + topk) per
   token (scoring, then one compare per element per selection round): a rough count, the op is bound by
   memory and latency.
+- fp8_quant_gemm: the linear layers of DeepSeek-V3 and Llama-3-8B (GEMMS) at M 1, 16, 128, 1024, 4096 tokens, bf16
+  activations, e4m3 weights with per-channel scales; peers: per-token quantisation in torch + torch._scaled_mm
+  with row-wise scales and the plain bf16 torch.mm on a bf16 weight (CUDA), or a float32 matmul of the quantised
+  values with the weight held in float32 (CPU). flops = 2 M N K; bytes = x + w + w_scale + out, each once.
 """
 
 from __future__ import annotations
@@ -471,5 +475,77 @@ def mla_cases(device: str, size: str) -> list[Case]:
     return [mla_case(B, ctx, Hq, 1, dt, False, device, peer_names, 4) for dt in dtypes for B, ctx, Hq in shapes]
 
 
-OPS = {"fused_attention": attention_cases, "moe_route": route_cases, "mla_decode": mla_cases,
+
+# ----------------------------------------------------------------------------------------------------------
+# fp8_quant_gemm
+# ----------------------------------------------------------------------------------------------------------
+
+# (N, K) of the linear layers: DeepSeek-V3 (q_a+kv_a down projection, q_b up projection, attention output) and
+# Llama-3-8B (fused qkv, MLP down projection)
+GEMMS = {
+    "dsv3-qkv-a": (2112, 7168), "dsv3-q-b": (24576, 1536), "dsv3-o": (7168, 16384), "dsv3-wo-b": (7168, 2048),
+    "llama3-qkv": (6144, 4096), "llama3-down": (4096, 14336),
+    "small": (512, 512),  # CPU smoke test only
+}
+
+
+def _gemm_check(M: int, N: int, K: int) -> Callable[[str, Any, tuple], dict]:
+    """ACCEPTANCE.md's rule on the first rows: max|out - ref| <= 2 * max|two_pass - ref| + 1e-2 * max|ref|, ref in
+    float64 from x @ (w * w_scale)^T and two_pass quantise-then-GEMM in float32, computed on the CPU."""
+    rows = min(M, 8)
+    cache: dict[str, Any] = {}
+
+    def check(impl: str, result: Any, inputs: tuple) -> dict[str, Any]:
+        from redfuser_ops import reference
+
+        x, w, ws = (t[:rows].cpu() if i == 0 else t.cpu() for i, t in enumerate(inputs[:3]))
+        if not cache:
+            wsf = ws.expand(N)
+            r = reference.fp8_quant_gemm(x, w, wsf)
+            two = reference.fp8_quant_gemm_two_pass(x, w, wsf).double()
+            cache.update(r=r, bound=2 * _maxerr(two, r) + 1e-2 * float(r.abs().max()))
+        err = _maxerr(result[:rows].cpu().double(), cache["r"])
+        return {"max_err": err, "bound": cache["bound"], "rows": rows, "ok": bool(err <= cache["bound"])}
+
+    return check
+
+
+def gemm_case(gemm: str, M: int, dtype: torch.dtype, device: str, priority: int) -> Case:
+    N, K = GEMMS[gemm]
+    esize = torch.tensor([], dtype=dtype).element_size()
+    flops = 2.0 * M * N * K
+    nbytes = float(M * K * esize + N * K + 4 * N + M * N * esize)
+    params = {"M": M, "N": N, "K": K, "dtype": DT_SHORT[dtype], "gemm": gemm}
+
+    def make_inputs(gen: torch.Generator, dev: str) -> tuple:
+        x = torch.randn(M, K, generator=gen, device=dev).to(dtype)
+        w = (torch.randn(N, K, generator=gen, device=dev) * 0.05).to(torch.float8_e4m3fn)
+        ws = torch.rand(N, generator=gen, device=dev) + 0.5
+        if dev == "cuda":  # the bf16/fp16 weight a plain model holds (for torch.mm)
+            return x, w, ws, (w.to(dtype) * ws.to(dtype)[:, None])
+        return x, w, ws, w.float()  # the CPU two-pass path's weight: the e4m3 values in float32, converted once
+
+    impls = [Impl("redfuser", lambda x, w, ws, wd: torch.ops.redfuser.fp8_quant_gemm(x, w, ws))]
+    if device == "cuda":
+        impls.append(Impl("two_pass_scaled_mm", lambda x, w, ws, wd: peers.two_pass_scaled_mm(x, w, ws, dtype)))
+        impls.append(Impl("mm_" + DT_SHORT[dtype], lambda x, w, ws, wd: torch.mm(x, wd.t())))
+    else:
+        impls.append(Impl("two_pass_torch", lambda x, w, ws, wf: peers.two_pass_torch(x, wf, ws, dtype)))
+    return Case("fp8_quant_gemm", "gemm", f"{gemm} M{M} {DT_SHORT[dtype]}", params, dtype, flops, nbytes,
+                M * K * esize + N * K * (1 + esize) + 4 * N, make_inputs, impls, _gemm_check(M, N, K), priority)
+
+
+def gemm_cases(device: str, size: str) -> list[Case]:
+    if device == "cuda":
+        ms = {"full": [1, 16, 128, 1024, 4096], "quick": [1, 16, 128, 1024, 4096], "tiny": [1, 128]}[size]
+        gemms = list(GEMMS) if size == "full" else ["dsv3-q-b", "dsv3-wo-b", "llama3-qkv", "llama3-down"]
+    else:
+        ms = {"full": [1, 16, 128, 1024], "quick": [1, 16, 128], "tiny": [1, 16]}[size]
+        gemms = ["dsv3-wo-b", "llama3-qkv"] if size != "tiny" else ["small"]  # tiny: a smoke test in seconds
+    if size == "tiny" and device == "cuda":
+        gemms = gemms[:1]
+    return [gemm_case(g, M, torch.bfloat16, device, 4 if g.startswith("dsv3") else 5) for g in gemms for M in ms]
+
+
+OPS = {"fused_attention": attention_cases, "moe_route": route_cases, "mla_decode": mla_cases, "fp8_quant_gemm": gemm_cases,
        "softmax_cross_entropy": _rows_cases("softmax_cross_entropy"), "logsumexp": _rows_cases("logsumexp")}

@@ -85,6 +85,23 @@ def main() -> int:
         name = f"mla_decode lens {lens} Sq{Sq} Hq{Hq} {'causal' if causal else 'full'} {dtype}"
         if not _attention_ok(name, out, lse, r_out, r_lse, p_out):
             failures.append(name)
+    # fp8_quant_gemm: split-K + merge (M 1), K and M tails with a bias and a per-tensor scale, one segment
+    for M, N, K, per_channel, bias in [(1, 512, 2048, True, False), (67, 144, 1040, False, True),
+                                       (300, 256, 256, True, True)]:
+        x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+        w = (torch.randn(N, K, generator=gen) * 0.1).to(torch.float8_e4m3fn)
+        ws = torch.rand(N if per_channel else 1, generator=gen) + 0.5
+        b = torch.randn(N, generator=gen) if bias else None
+        out = torch.ops.redfuser.fp8_quant_gemm(x.cuda(), w.cuda(), ws.cuda(), None if b is None else b.cuda())
+        torch.cuda.synchronize()
+        r = ref.fp8_quant_gemm(x, w, ws.expand(N), b)
+        two = ref.fp8_quant_gemm_two_pass(x, w, ws.expand(N), b).double()
+        err = (out.cpu().double() - r).abs().max().item()
+        bound = 2 * (two - r).abs().max().item() + 1e-2 * r.abs().max().item()
+        name = f"fp8_quant_gemm M{M} N{N} K{K}"
+        print(f"{name}: err {err:.2e} <= {bound:.2e}: {'ok' if err <= bound else 'WRONG'}")
+        if not err <= bound:
+            failures.append(name)
     print(f"gpu_checks: {len(failures)} wrong" + (": " + "; ".join(failures) if failures else ""))
     return 1 if failures else 0
 

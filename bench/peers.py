@@ -167,3 +167,30 @@ def _raise_dynamo_cache_limits() -> None:
     for name in ("accumulated_cache_size_limit", "accumulated_recompile_limit"):
         if hasattr(cfg, name):
             setattr(cfg, name, max(getattr(cfg, name), 1024))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# fp8 GEMM with per-token quantisation of the activations
+# ----------------------------------------------------------------------------------------------------------
+
+def per_token_fp8(x: Tensor, eps: float = 1e-12) -> tuple[Tensor, Tensor]:
+    """Per-row dynamic e4m3 quantisation in torch: (q (M, K) float8_e4m3fn, s (M, 1) float32), x ~ q * s."""
+    s = x.abs().amax(dim=1, keepdim=True).float().clamp(min=eps) / 448.0
+    q = (x.float() / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q, s
+
+
+def two_pass_scaled_mm(x: Tensor, w: Tensor, w_scale: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """What a user runs on CUDA without a fused kernel: quantise x per token in torch, then torch._scaled_mm with
+    row-wise scales (x's per row, w's per output channel)."""
+    q, s = per_token_fp8(x)
+    sw = w_scale.float().expand(w.shape[0]).reshape(1, -1).contiguous()
+    return torch._scaled_mm(q, w.t(), scale_a=s, scale_b=sw, out_dtype=out_dtype)
+
+
+def two_pass_torch(x: Tensor, w_f32: Tensor, w_scale: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """The same two passes where torch has no fp8 GEMM (the CPU): quantise, then a float32 matmul of the e4m3
+    values with the weight's e4m3 values held in float32 (converted once, as a user would), scaled per row and
+    per channel."""
+    q, s = per_token_fp8(x)
+    return ((q.float() @ w_f32.t()) * s * w_scale.float().reshape(1, -1)).to(out_dtype)

@@ -13,7 +13,9 @@ GROUP_TITLES = {
     ("fused_attention", "prefill"): "fused_attention, prefill (Sq = Sk): TFLOP/s",
     ("fused_attention", "decode"): "fused_attention, decode (Sq = 1, split-KV shapes): time in µs",
     ("moe_route", "route"): "moe_route: time in µs",
+    ("fp8_quant_gemm", "gemm"): "fp8_quant_gemm (bf16 x, e4m3 w, per-channel scales): TFLOP/s",
 }
+RATE_GROUPS = ("prefill", "gemm")  # tables in TFLOP/s (higher is better); the others in µs
 
 
 def _impl_order(rows: list[dict]) -> list[str]:
@@ -44,11 +46,11 @@ def _fmt(x: float | None, digits: int = 1) -> str:
 def _metric(r: dict, group: str) -> float | None:
     if r.get("status") != "ok":
         return None
-    return r["tflops"] if group == "prefill" else r["time_us"]
+    return r["tflops"] if group in RATE_GROUPS else r["time_us"]
 
 
 def _better(a: float, b: float, group: str) -> bool:
-    return a > b if group == "prefill" else a < b
+    return a > b if group in RATE_GROUPS else a < b
 
 
 def best_peer(impls: dict[str, dict], group: str) -> tuple[str | None, float | None]:
@@ -66,7 +68,7 @@ def best_peer(impls: dict[str, dict], group: str) -> tuple[str | None, float | N
 
 
 def speedup(ours: float, peer: float, group: str) -> float:
-    return ours / peer if group == "prefill" else peer / ours
+    return ours / peer if group in RATE_GROUPS else peer / ours
 
 
 def _groups(data: dict) -> OrderedDict[tuple[str, str], list[dict]]:
@@ -116,7 +118,7 @@ def markdown(data: dict) -> str:
         impls = _impl_order(rows)
         title = GROUP_TITLES.get((op, group), f"{op}, {group}")
         lines += [f"## {title}", ""]
-        extra = ["% of matmul"] if group == "prefill" else ["GB/s", "% of copy"]
+        extra = ["% of matmul"] if group in RATE_GROUPS else ["GB/s", "% of copy"]
         head = ["case", "redfuser", *extra, *[i for i in impls if i != "redfuser"], "vs best peer", "correct"]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for case, by_impl in _by_case(rows).items():
@@ -138,7 +140,7 @@ def markdown(data: dict) -> str:
                 cells.append(cell)
                 if name == "redfuser":
                     if r is not None and r["status"] == "ok":
-                        if group == "prefill":
+                        if group in RATE_GROUPS:
                             cells.append(_fmt(100 * r["frac_matmul"]) if r.get("frac_matmul") else "–")
                         else:
                             cells.append(_fmt(r.get("gbps")))
@@ -206,7 +208,7 @@ def summary(data: dict, max_rows: int = 40) -> str:
             peer, val = best_peer(v, group)
             if ours and ours["status"] == "ok" and val:
                 ratios.append(speedup(_metric(ours, group), val, group))
-            unit = "TFLOP/s" if group == "prefill" else "us"
+            unit = "TFLOP/s" if group in RATE_GROUPS else "us"
             rows_out.append(f"  {case:<46} redfuser {_fmt(_metric(ours, group) if ours else None):>9} {unit:<7}"
                             f"  best peer {(peer or '-'):<15} {_fmt(val):>9}"
                             + (f"  x{ratios[-1]:.2f}" if ours and ours['status'] == 'ok' and val else ""))

@@ -19,14 +19,15 @@ import fnmatch
 from dataclasses import dataclass
 
 # arch families and the SASS archs each holds (as in CMakeLists.txt)
-FAMILY_ARCHS = {"sm80": ("sm_80", "sm_86", "sm_89"), "sm90a": ("sm_90a",), "sm100a": ("sm_100a",)}
+FAMILY_ARCHS = {"sm80": ("sm_80", "sm_86", "sm_89"), "sm89": ("sm_89",), "sm90a": ("sm_90a",),
+                "sm100a": ("sm_100a",)}
 
 # families whose variants are checked against RULES (the others only get a resource table)
-CHECKED_FAMILIES = ("sm90a",)
+CHECKED_FAMILIES = ("sm90a", "sm89")
 
 # opcodes forbidden in every variant of a family, and whether LOCAL (bytes of local memory) must be 0
-FORBID_ALWAYS = {"sm90a": ("LDL", "STL")}
-NO_LOCAL_MEMORY = ("sm90a",)
+FORBID_ALWAYS = {"sm90a": ("LDL", "STL"), "sm89": ("LDL", "STL")}
+NO_LOCAL_MEMORY = ("sm90a", "sm89")
 
 
 @dataclass(frozen=True)
@@ -51,9 +52,17 @@ RULES: tuple[Rule, ...] = (
          why="banded mask + tanh soft-capping (specs/sliding_window_attention.yaml): WGMMA, tiles by TMA"),
     Rule("mla_decode__*__sm90a", "attention", require=("HGMMA", "UTMALDG"), forbid=("HMMA",),
          why="paged latent attention: WGMMA (64 packed head rows, never the mma.sync fallback), KV pages by TMA"),
-    # fp8 GEMM with online per-token quantisation: fp8 warpgroup MMA, w tiles by TMA
+    # fp8 GEMM with online per-token quantisation: fp8 warpgroup MMA, X and w tiles by TMA (the single-segment
+    # and the split-K kernels); the merge of split-K partials reads rows, no GEMM
+    Rule("fp8_quant_gemm_merge__*__sm90a", "merge", forbid=("QGMMA", "HGMMA"),
+         why="merge of split-K partial (abs-max, accumulator) rows: plain loads, no GEMM"),
     Rule("fp8_quant_gemm__*__sm90a", "fp8 gemm", require=("QGMMA", "UTMALDG"),
          why="e4m3 x e4m3 on fp8 WGMMA; tiles by TMA"),
+    # sm_89 (Ada): fp8 mma.sync; an HMMA here would mean the fp8 GEMM fell back to 16-bit MMA
+    Rule("fp8_quant_gemm_merge__*__sm89", "merge", forbid=("QMMA", "HMMA"),
+         why="merge of split-K partial rows: no GEMM"),
+    Rule("fp8_quant_gemm__*__sm89", "fp8 gemm", require=("QMMA",), forbid=("HMMA",),
+         why="e4m3 x e4m3 on fp8 mma.sync (QMMA.16832)"),
     # the router: one warp per row in registers, warp shuffles; no GEMM, no TMA
     Rule("moe_route__*__sm90a", "router", forbid=("HGMMA", "QGMMA"),
          why="a row per warp in registers; no matrix work"),

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser("emit", help="generate sources for the build")
     p.add_argument("--out", required=True)
-    p.add_argument("--archs", default="sm80;sm90a;sm100a", help="arch families, ';'-separated ('' = CPU only)")
+    p.add_argument("--archs", default="sm80;sm89;sm90a;sm100a", help="arch families, ';'-separated ('' = CPU only)")
     p.add_argument("--jobs", type=int, default=0, help="parallel lowering processes (0 = number of CPUs)")
     p.add_argument("--ops", default="", help="only these ops get CUDA kernels (';'-separated; '' = all)")
     p.add_argument("--dtypes", default="", help="only CUDA variants of these dtypes (';'-separated; '' = all)")

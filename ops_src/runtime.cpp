@@ -225,6 +225,7 @@ bool built_with_cuda() {
 
 std::string family_arch_list(std::string_view family) {
   if (family == "sm80") return "sm_80, sm_86, sm_89";
+  if (family == "sm89") return "sm_89";
   if (family == "sm90a") return "sm_90a";
   if (family == "sm100a") return "sm_100a";
   return std::string(family);
@@ -237,6 +238,7 @@ static bool has(const std::vector<std::string>& v, std::string_view x) {
 const char* family_for_capability(int major, int minor, const std::vector<std::string>& available) {
   // sm_80 SASS runs on every 8.x; compute_80 PTX is JIT-compiled on 9.0 and 10.0 when the
   // arch-specific family was not built. The 'a' families run only on exactly their arch.
+  if (major == 8 && minor == 9 && has(available, "sm89")) return "sm89";  // fp8 tensor cores
   if (major == 8) return has(available, "sm80") ? "sm80" : nullptr;
   if (major == 9 && minor == 0) {
     if (has(available, "sm90a")) return "sm90a";

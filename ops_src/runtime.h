@@ -166,7 +166,7 @@ int32_t device_sm_count(std::string_view op, int32_t device_index);
 std::pair<int, int> device_capability(std::string_view op, int32_t device_index);
 
 // Pure rule: the family to run on a device of capability major.minor, among `available`, or
-// nullptr when none can run there. 8.x -> sm80; 9.0 -> sm90a, else sm80 (compute_80 PTX);
+// nullptr when none can run there. 8.9 -> sm89 if available; 8.x -> sm80; 9.0 -> sm90a, else sm80 (compute_80 PTX);
 // 10.0 -> sm100a, else sm80 (PTX); anything else -> none.
 const char* family_for_capability(int major, int minor, const std::vector<std::string>& available);
 
@@ -383,7 +383,7 @@ inline decltype(auto) dispatch_cpu_float(std::string_view op, std::string_view a
 struct VariantRecord {
   const char* name;    // "fused_attention__bf16_d128_causal__sm90a"
   const char* device;  // "cpu" or "cuda"
-  const char* family;  // "" for cpu, else "sm80" / "sm90a" / "sm100a"
+  const char* family;  // "" for cpu, else "sm80" / "sm89" / "sm90a" / "sm100a"
 };
 
 // A generated .cpp declares its op and variants at load time with a static object:

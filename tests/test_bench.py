@@ -76,7 +76,7 @@ def test_gpu_run_dry_run(tmp_path):
     data = json.loads((out / "bench" / "results.json").read_text())
     assert data["complete"] and data["ceilings"]["copy_GBps"] > 0
     ours = [x for x in data["results"] if x["impl"] == "redfuser"]
-    assert {x["op"] for x in ours} == {"fused_attention", "moe_route", "mla_decode"}
+    assert {x["op"] for x in ours} == {"fused_attention", "moe_route", "mla_decode", "fp8_quant_gemm"}
     assert all(x["status"] == "ok" and x["correct"]["ok"] for x in ours), [x for x in ours if x["status"] != "ok"]
     assert (out / "bench" / "results.md").is_file() and (out / "junit.xml").is_file()
     files = [p for p in out.rglob("*") if p.is_file()]
@@ -251,3 +251,16 @@ def test_sass_parsing_rules_and_tables(tmp_path):
     changed = sass.tables(bad)
     diff = sass.compare_tables(changed, tmp_path)
     assert len(diff) == 1 and "python -m bench.sass --update" in diff[0] and "-| " in diff[0]
+
+
+def test_gemm_case_peers_and_check():
+    """fp8_quant_gemm cases: the op and the CPU two-pass peer pass ACCEPTANCE.md's rule; a wrong result fails it."""
+    case = cases.gemm_case("small", 5, torch.bfloat16, "cpu", 0)
+    assert case.flops == 2.0 * 5 * 512 * 512 and [i.name for i in case.impls] == ["redfuser", "two_pass_torch"]
+    inputs = case.make_inputs(torch.Generator().manual_seed(0), "cpu")
+    for impl in case.impls:
+        got = case.check(impl.name, impl.fn(*inputs), inputs)
+        assert got["ok"], (impl.name, got)
+    bad = case.impls[0].fn(*inputs).clone()
+    bad[0, 3] += 1.0
+    assert not case.check("redfuser", bad, inputs)["ok"]

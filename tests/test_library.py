@@ -26,8 +26,8 @@ from bench import sass
 REPO = Path(__file__).resolve().parents[1]
 
 # Archs each family's objects must hold: SASS (cuobjdump --list-elf) and PTX (--list-ptx).
-FAMILY_SASS = {"sm80": ["sm_80", "sm_86", "sm_89"], "sm90a": ["sm_90a"], "sm100a": ["sm_100a"]}
-FAMILY_PTX = {"sm80": ["sm_80"], "sm90a": [], "sm100a": []}
+FAMILY_SASS = {"sm80": ["sm_80", "sm_86", "sm_89"], "sm89": ["sm_89"], "sm90a": ["sm_90a"], "sm100a": ["sm_100a"]}
+FAMILY_PTX = {"sm80": ["sm_80"], "sm89": [], "sm90a": [], "sm100a": []}
 
 # The only shared libraries _C.so may depend on. No CUDA library (cudart is linked statically
 # and hidden), no Python, nothing from torch but libtorch_cpu (present in CPU and CUDA torch).
@@ -213,7 +213,7 @@ import json, sys
 import torch
 import redfuser_ops  # noqa: F401
 out = {}
-for fams in ["sm80;sm90a;sm100a", "sm80", "sm90a", "sm100a", "sm90a;sm100a"]:
+for fams in ["sm80;sm90a;sm100a", "sm80", "sm90a", "sm100a", "sm90a;sm100a", "sm80;sm89;sm90a", "sm89"]:
     for major, minor in [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (10, 3), (12, 0)]:
         try:
             r = torch.ops.redfuser._select_family("someop", major, minor, fams)
@@ -242,3 +242,8 @@ def test_arch_family_selection(installed, tmp_path):
     assert got["sm90a;sm100a@9.0"] == "sm90a"
     assert got["sm90a;sm100a@12.0"].startswith("error: redfuser::someop: this wheel was built for sm_90a, sm_100a;")
     assert got["sm80;sm90a;sm100a@10.3"].endswith("this GPU is sm_103")
+    # sm89 (fp8 tensor cores) runs on exactly 8.9; other 8.x keep sm80
+    assert got["sm80;sm89;sm90a@8.9"] == "sm89"
+    assert got["sm80;sm89;sm90a@8.6"] == "sm80"
+    assert got["sm80;sm89;sm90a@9.0"] == "sm90a"
+    assert got["sm89@8.0"] == "error: redfuser::someop: this wheel was built for sm_89; this GPU is sm_80"

@@ -54,6 +54,9 @@ _FAMILY_TABLE: dict[str, tuple[str, tuple[tuple[str, str], ...], str | None]] = 
     # matching virtual arch, so that __CUDA_ARCH__-guarded paths such as fp8 mma on 8.9 are
     # taken) plus compute_80 PTX for the driver to JIT on anything newer.
     "sm80": ("sm_80", (("compute_80", "sm_80"), ("compute_86", "sm_86"), ("compute_89", "sm_89")), "compute_80"),
+    # Ada (8.9) lowered for itself: TileLang emits fp8 mma.sync (QMMA) only when it lowers for sm_89; the sm80
+    # family's sm_89 SASS comes from a source lowered for sm_80 and cannot use fp8 MMA.
+    "sm89": ("sm_89", (("compute_89", "sm_89"),), None),
     # Hopper code (TMA, WGMMA, setmaxnreg) only compiles for the arch-specific target.
     "sm90a": ("sm_90a", (("compute_90a", "sm_90a"),), None),
     # Blackwell datacenter (10.0). TileLang 0.1.15 uses TMA + mma.sync here, not tcgen05.

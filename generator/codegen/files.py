@@ -5,7 +5,7 @@ time and then ``include(<gen>/sources.cmake)``. `render_sources_cmake` is the on
 writes that file, so the variable names below are the whole contract:
 
 ``REDFUSER_GEN_FAMILIES``
-    the arch families emitted (a subset of ``sm80;sm90a;sm100a``, possibly empty).
+    the arch families emitted (a subset of ``sm80;sm89;sm90a;sm100a``, possibly empty).
 ``REDFUSER_GEN_CPU_SOURCES``
     every generated host C++ file: CPU kernels and registration code.
 ``REDFUSER_GEN_CPU_KERNEL_SOURCES``
@@ -35,7 +35,7 @@ from pathlib import Path
 
 __all__ = ["KNOWN_FAMILIES", "cmake_quote", "render_sources_cmake", "write_if_changed"]
 
-KNOWN_FAMILIES = ("sm80", "sm90a", "sm100a")
+KNOWN_FAMILIES = ("sm80", "sm89", "sm90a", "sm100a")
 
 
 def write_if_changed(path: str | os.PathLike[str], text: str) -> bool:
