@@ -155,6 +155,9 @@ std::string op_select_family(std::string op, int64_t major, int64_t minor, std::
   return select_family_for_capability(op, static_cast<int>(major), static_cast<int>(minor), fams);
 }
 
+bool op_set_check_inputs(bool on) { return set_check_inputs(on); }
+bool op_check_inputs() { return check_inputs_enabled(); }
+
 }  // namespace
 }  // namespace redfuser
 
@@ -169,9 +172,13 @@ extern "C" const char* redfuser_build_info_json() {
 STABLE_TORCH_LIBRARY(redfuser, m) {
   m.def("_build_info() -> str");
   m.def("_select_family(str op, int major, int minor, str families) -> str");
+  m.def("_set_check_inputs(bool on) -> bool");
+  m.def("_check_inputs() -> bool");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(redfuser, CompositeExplicitAutograd, m) {
   m.impl("_build_info", TORCH_BOX(&redfuser::op_build_info));
   m.impl("_select_family", TORCH_BOX(&redfuser::op_select_family));
+  m.impl("_set_check_inputs", TORCH_BOX(&redfuser::op_set_check_inputs));
+  m.impl("_check_inputs", TORCH_BOX(&redfuser::op_check_inputs));
 }

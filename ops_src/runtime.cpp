@@ -192,6 +192,50 @@ void check_fits_int32(std::string_view op, std::string_view arg, const Tensor& t
 }
 
 // ---------------------------------------------------------------------------------------------
+// value domains
+// ---------------------------------------------------------------------------------------------
+
+IndexView index_view(std::string_view op, std::string_view arg, const Tensor& t) {
+  check(t.is_cpu(), op, "internal error: ", arg, " must be on the CPU to check its values");
+  const ScalarType st = t.scalar_type();
+  check(st == ScalarType::Int || st == ScalarType::Long, op, arg, " must be int32 or int64 to check its values, got ",
+        dtype_name(st));
+  check(t.dim() <= 8, op, arg, " has more than 8 dims");
+  IndexView v;
+  v.data = t.numel() > 0 ? t.const_data_ptr() : nullptr;
+  v.is64 = st == ScalarType::Long;
+  v.ndim = t.dim();
+  for (int64_t d = 0; d < t.dim(); ++d) v.strides[d] = t.stride(d);
+  return v;
+}
+
+void domain_error(std::string_view op, std::string_view arg, std::initializer_list<int64_t> idx, int64_t value,
+                  std::string_view domain, int64_t lo, int64_t hi) {
+  std::string at;
+  for (int64_t i : idx) at += (at.empty() ? "" : ", ") + std::to_string(i);
+  const char close = domain.empty() ? ')' : domain.back();
+  failf(op, arg, "[", at, "] = ", value, " is outside its domain ", domain, " = [", lo, ", ", hi, close);
+}
+
+Tensor host_copy(const Tensor& t) {
+  if (t.is_cpu()) return t;
+  return torch::stable::to(t, torch::stable::Device(torch::headeronly::DeviceType::CPU));
+}
+
+#ifndef REDFUSER_CHECK_INPUTS
+#define REDFUSER_CHECK_INPUTS 0
+#endif
+
+static std::atomic<bool>& check_inputs_flag() {
+  static std::atomic<bool> flag{REDFUSER_CHECK_INPUTS != 0};
+  return flag;
+}
+
+bool check_inputs_enabled() { return check_inputs_flag().load(std::memory_order_relaxed); }
+
+bool set_check_inputs(bool on) { return check_inputs_flag().exchange(on); }
+
+// ---------------------------------------------------------------------------------------------
 // families
 // ---------------------------------------------------------------------------------------------
 
@@ -235,18 +279,13 @@ static bool has(const std::vector<std::string>& v, std::string_view x) {
 }
 
 const char* family_for_capability(int major, int minor, const std::vector<std::string>& available) {
-  // sm_80 SASS runs on every 8.x; compute_80 PTX is JIT-compiled on 9.0 and 10.0 when the
-  // arch-specific family was not built. The 'a' families run only on exactly their arch.
-  if (major == 8) return has(available, "sm80") ? "sm80" : nullptr;
-  if (major == 9 && minor == 0) {
-    if (has(available, "sm90a")) return "sm90a";
-    return has(available, "sm80") ? "sm80" : nullptr;
-  }
-  if (major == 10 && minor == 0) {
-    if (has(available, "sm100a")) return "sm100a";
-    return has(available, "sm80") ? "sm80" : nullptr;
-  }
-  return nullptr;
+  // sm_80 SASS runs on every 8.x. The 'a' families run only on exactly their arch (9.0, 10.0).
+  // Every other capability >= 8.0 (9.x, 10.x other than 10.0, 11.x, 12.x, ...) runs the sm80
+  // family's compute_80 PTX, JIT-compiled by the driver; below 8.0 nothing fits.
+  if (major < 8) return nullptr;
+  if (major == 9 && minor == 0 && has(available, "sm90a")) return "sm90a";
+  if (major == 10 && minor == 0 && has(available, "sm100a")) return "sm100a";
+  return has(available, "sm80") ? "sm80" : nullptr;
 }
 
 static std::string archs_of(const std::vector<std::string>& fams) {

@@ -146,6 +146,37 @@ inline void if_present(const std::optional<Tensor>& t, F&& check) {
 }
 
 // ============================================================================================
+// Value domains of index tensors (spec key `values`, e.g. block_table "[0, NB)")
+// ============================================================================================
+
+// Read access to an int32/int64 CPU tensor of up to 8 dims through its strides.
+struct IndexView {
+  const void* data = nullptr;
+  bool is64 = false;
+  int64_t ndim = 0;
+  int64_t strides[8] = {};
+  int64_t operator()(std::initializer_list<int64_t> idx) const {
+    int64_t off = 0, d = 0;
+    for (int64_t i : idx) off += i * strides[d++];
+    return is64 ? static_cast<const int64_t*>(data)[off] : static_cast<const int32_t*>(data)[off];
+  }
+};
+// t must be a CPU int32/int64 tensor of at most 8 dims.
+IndexView index_view(std::string_view op, std::string_view arg, const Tensor& t);
+// "block_table[1, 3] = 1000000 is outside its domain [0, NB) = [0, 10)"
+[[noreturn]] void domain_error(std::string_view op, std::string_view arg, std::initializer_list<int64_t> idx,
+                               int64_t value, std::string_view domain, int64_t lo, int64_t hi);
+// A CPU copy of t (synchronous for a CUDA tensor: used only by the opt-in input checks).
+Tensor host_copy(const Tensor& t);
+
+// Whether the CPU-style value checks also run on CUDA (they read device memory: a host sync, and so
+// not inside a CUDA graph capture). Off by default; the build setting REDFUSER_CHECK_INPUTS=ON
+// turns it on by default, and redfuser_ops.set_check_inputs(bool) (op redfuser::_set_check_inputs)
+// at run time. set_check_inputs returns the previous setting.
+bool check_inputs_enabled();
+bool set_check_inputs(bool on);
+
+// ============================================================================================
 // CUDA: stream, device, arch family, lazy per-(variant, device) init, launch.
 // ============================================================================================
 
@@ -166,8 +197,9 @@ int32_t device_sm_count(std::string_view op, int32_t device_index);
 std::pair<int, int> device_capability(std::string_view op, int32_t device_index);
 
 // Pure rule: the family to run on a device of capability major.minor, among `available`, or
-// nullptr when none can run there. 8.x -> sm80; 9.0 -> sm90a, else sm80 (compute_80 PTX);
-// 10.0 -> sm100a, else sm80 (PTX); anything else -> none.
+// nullptr when none can run there. 8.x -> sm80 (SASS); 9.0 -> sm90a, 10.0 -> sm100a when built;
+// any other capability >= 8.0 (and 9.0/10.0 without their family) -> sm80 (its compute_80 PTX,
+// JIT-compiled by the driver); below 8.0 -> none.
 const char* family_for_capability(int major, int minor, const std::vector<std::string>& available);
 
 // The family to use for `op` on `device_index`, or throws

@@ -1,0 +1,164 @@
+"""Issue 13's findings, one test each: every input that crashed the process, read outside a tensor or passed a spec
+check unchecked gets a clear error naming the argument (CPU build); the CUDA glue's rules are pinned through the
+code that can run without a GPU (the family rule, the generated launch source).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import redfuser_ops
+from generator.codegen.glue import divisors, ordered_checks, value_domains
+from generator.spec import load_spec
+from redfuser_ops import reference
+
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+
+
+def _mla_inputs(B=2, Sq=1, Hq=2, NB=4, MB=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Sq, Hq, 576, generator=gen)
+    kv = torch.randn(NB, 64, 1, 576, generator=gen)
+    table = torch.arange(B * MB, dtype=torch.int32).reshape(B, MB) % NB
+    lens = torch.full((B,), 64 * MB, dtype=torch.int32)
+    return q, kv, table, lens
+
+
+# --------------------------------------------------------------------------------------------- CPU findings
+def test_empty_kv_heads_is_an_error_not_sigfpe():
+    # k, v of shape (B, Sk, 0, D): H % Hk divided by zero before anything checked Hk >= 1
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 3, 0, 8)
+    with pytest.raises(RuntimeError, match=r"fused_attention: Hk must be at least 1 .*\(Hk = 0\)"):
+        redfuser_ops.fused_attention(q, k, k)
+
+
+def test_empty_head_dim_is_an_error():
+    # the spec says D >= 1; the engine's positive axes folded it to true, so D = 0 returned an empty result
+    q, k = torch.randn(1, 2, 4, 0), torch.randn(1, 3, 2, 0)
+    with pytest.raises(RuntimeError, match=r"the head dimension must not be empty \(D = 0\)"):
+        redfuser_ops.fused_attention(q, k, k)
+
+
+@pytest.mark.parametrize("entry", [10**6, -1, 4, -(2**31)])
+def test_block_table_entry_outside_the_cache(entry):
+    # 10**6 was a SIGSEGV, -1 read before the cache and returned NaN
+    q, kv, table, lens = _mla_inputs()
+    table[1, 1] = entry
+    with pytest.raises(RuntimeError, match=rf"block_table\[1, 1\] = {entry} is outside its domain \[0, NB\) = \[0, 4\)"):
+        redfuser_ops.mla_decode(q, kv, table, lens)
+
+
+def test_unused_block_table_entries_may_hold_anything():
+    q, kv, table, lens = _mla_inputs()
+    table[1, 1] = 10**6  # block 1 of sequence 1 is not used with a length of 64
+    lens[1] = 64
+    for causal in (False, True):
+        out, lse = redfuser_ops.mla_decode(q, kv, table, lens, causal=causal)
+        r_out, r_lse = reference.mla_decode(q, kv, table, lens, causal=causal)
+        assert (out.double() - r_out).abs().max().item() < 1e-4
+        assert (lse.double() - r_lse).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("length", [129, -1, 2**31 - 1])
+def test_cache_seqlens_outside_its_domain(length):
+    q, kv, table, lens = _mla_inputs()
+    lens[0] = length
+    with pytest.raises(RuntimeError, match=rf"cache_seqlens\[0\] = {length} is outside its domain "
+                                           r"\[0, 64 \* MB\] = \[0, 128\]"):
+        redfuser_ops.mla_decode(q, kv, table, lens)
+
+
+def test_cache_seqlens_checked_without_blocks():
+    # no table column at all: every length but 0 is out of its domain, although no key is read
+    q, kv, _, _ = _mla_inputs()
+    table = torch.zeros(2, 0, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"cache_seqlens\[1\] = 5 is outside"):
+        redfuser_ops.mla_decode(q, kv, table, torch.tensor([0, 5], dtype=torch.int32))
+
+
+def test_wrongly_sized_index_tensors():
+    q, kv, table, lens = _mla_inputs()
+    with pytest.raises(RuntimeError, match=r"block_table.size\(0\) must equal q.size\(0\)"):
+        redfuser_ops.mla_decode(q, kv, table[:1], lens)
+    with pytest.raises(RuntimeError, match=r"cache_seqlens.size\(0\) must equal q.size\(0\)"):
+        redfuser_ops.mla_decode(q, kv, table, lens[:1])
+
+
+def test_strided_index_tensors_are_checked_through_their_strides():
+    q, kv, table, lens = _mla_inputs()
+    wide = torch.full((2, 4), 10**6, dtype=torch.int32)
+    wide[:, ::2] = table  # the odd columns are outside the cache, but not part of the view
+    out, _ = redfuser_ops.mla_decode(q, kv, wide[:, ::2], lens)
+    ref, _ = reference.mla_decode(q, kv, table, lens)
+    assert (out.double() - ref).abs().max().item() < 1e-4
+    wide[1, 2] = 7
+    with pytest.raises(RuntimeError, match=r"block_table\[1, 1\] = 7"):
+        redfuser_ops.mla_decode(q, kv, wide[:, ::2], lens)
+
+
+def test_check_inputs_setting():
+    before = redfuser_ops.check_inputs()
+    try:
+        assert redfuser_ops.set_check_inputs(True) == before
+        assert redfuser_ops.check_inputs() is True
+        assert redfuser_ops.set_check_inputs(False) is True
+        assert redfuser_ops.check_inputs() is False
+    finally:
+        redfuser_ops.set_check_inputs(before)
+
+
+def test_fake_checks_in_the_same_order():
+    # the fake (torch.compile) must not divide by Hk either
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k = torch.empty(1, 2, 4, 8), torch.empty(1, 3, 0, 8)
+        with pytest.raises(RuntimeError, match="Hk must be at least 1"):
+            torch.ops.redfuser.fused_attention(q, k, k)
+        with pytest.raises(RuntimeError, match="head dimension must not be empty"):
+            torch.ops.redfuser.fused_attention(torch.empty(1, 2, 4, 0), torch.empty(1, 3, 2, 0),
+                                               torch.empty(1, 3, 2, 0))
+
+
+# --------------------------------------------------------------------------------------------- generator rules
+def test_checks_are_ordered_so_that_no_divisor_is_unchecked():
+    for path in sorted(SPECS.glob("*.yaml")):
+        spec = load_spec(path)
+        proved = set()
+        for chk in ordered_checks(spec):
+            for d in divisors(chk.expr):
+                assert d in proved, f"{path.name}: {chk.expr} divides by {d} before a check proves it >= 1"
+            if chk.expr.is_Relational and chk.expr.rhs == 1 and chk.expr.rel_op == ">=":
+                proved.add(chk.expr.lhs)
+        # nothing is folded away: D >= 1 stays a check although D is an axis
+    names = [str(c.expr) for c in ordered_checks(load_spec(SPECS / "fused_attention.yaml"))]
+    assert names.index("Hk >= 1") < names.index("Eq(Mod(H, Hk), 0)") and "D >= 1" in names
+
+
+def test_value_domains_are_read_from_the_spec():
+    doms = {d.tensor: d for d in value_domains(load_spec(SPECS / "mla_decode.yaml"))}
+    assert set(doms) == {"block_table", "cache_seqlens"}
+    assert (str(doms["block_table"].hi), doms["block_table"].hi_closed) == ("NB", False)
+    assert (str(doms["cache_seqlens"].hi), doms["cache_seqlens"].hi_closed) == ("64*MB", True)
+
+
+# --------------------------------------------------------------------------------------------- CUDA glue rules
+@pytest.mark.parametrize("cap, families, want", [
+    ((12, 0), "sm80;sm90a;sm100a", "sm80"),   # consumer Blackwell: compute_80 PTX
+    ((10, 3), "sm80;sm90a;sm100a", "sm80"),
+    ((11, 0), "sm80;sm100a", "sm80"),
+    ((9, 0), "sm80;sm90a", "sm90a"),
+    ((10, 0), "sm80;sm100a", "sm100a"),
+    ((8, 9), "sm80", "sm80"),
+])
+def test_ptx_fallback_for_capabilities_without_sass(cap, families, want):
+    assert torch.ops.redfuser._select_family("op", cap[0], cap[1], families) == want
+
+
+@pytest.mark.parametrize("cap, families", [((12, 0), "sm90a;sm100a"), ((7, 5), "sm80;sm90a"), ((8, 0), "sm90a")])
+def test_error_only_where_nothing_fits(cap, families):
+    with pytest.raises(RuntimeError, match=rf"this GPU is sm_{cap[0]}{cap[1]}"):
+        torch.ops.redfuser._select_family("op", cap[0], cap[1], families)
