@@ -408,22 +408,31 @@ void* current_cuda_stream(std::string_view op, int32_t device_index) {
   return mu;
 }
 
-void ensure_initialized(const CudaVariant& v, int32_t device_index) {
-  if (device_index >= 0 && device_index < 64 &&
-      ((v.ready_mask.load(std::memory_order_acquire) >> device_index) & 1u))
-    return;
+static std::vector<const CudaVariant*>& variant_registry() {
+  static std::vector<const CudaVariant*> all;  // filled by static constructors, read after load
+  return all;
+}
+
+CudaVariant::CudaVariant(const char* op_, const char* name_, const char* family_, int (*init_)(),
+                         const char* (*get_last_error_)())
+    : op(op_), name(name_), family(family_), init(init_), get_last_error(get_last_error_) {
+  variant_registry().push_back(this);
+}
+
+static bool is_ready(const CudaVariant& v, int32_t device_index) {
+  return device_index >= 0 && device_index < 64 &&
+         ((v.ready_mask.load(std::memory_order_acquire) >> device_index) & 1u);
+}
+
 #ifdef REDFUSER_WITH_CUDA
-  std::lock_guard<std::mutex> lk(init_mutex());
+// Under init_mutex(), with the device current: v.init() once.
+static void init_locked(const CudaVariant& v, int32_t device_index) {
   static std::set<std::pair<const CudaVariant*, int32_t>> high_devices;  // devices >= 64
   if (device_index < 64) {
-    if ((v.ready_mask.load(std::memory_order_acquire) >> device_index) & 1u) return;
+    if (is_ready(v, device_index)) return;
   } else if (high_devices.count({&v, device_index})) {
     return;
   }
-  int current = -1;
-  cuda_check(v.op, cudaGetDevice(&current), "cudaGetDevice");
-  check(current == device_index, v.op, "internal error: initialising ", v.name, " for cuda:",
-        device_index, " while cuda:", current, " is current");
   const int rc = v.init();
   if (rc != 0) {
     const char* msg = v.get_last_error ? v.get_last_error() : "";
@@ -433,8 +442,59 @@ void ensure_initialized(const CudaVariant& v, int32_t device_index) {
     v.ready_mask.fetch_or(uint64_t{1} << device_index, std::memory_order_release);
   else
     high_devices.insert({&v, device_index});
+}
+#endif
+
+void ensure_initialized(const CudaVariant& v, int32_t device_index) {
+  if (is_ready(v, device_index)) return;
+#ifdef REDFUSER_WITH_CUDA
+  std::lock_guard<std::mutex> lk(init_mutex());
+  int current = -1;
+  cuda_check(v.op, cudaGetDevice(&current), "cudaGetDevice");
+  check(current == device_index, v.op, "internal error: initialising ", v.name, " for cuda:",
+        device_index, " while cuda:", current, " is current");
+  // the first launch on a device initialises every variant of its family (of all ops), so that a
+  // graph captured after one eager call of any op never runs init inside the capture
+  for (const CudaVariant* w : variant_registry())
+    if (std::string_view(w->family) == v.family) init_locked(*w, device_index);
+  init_locked(v, device_index);
 #else
   failf(v.op, "kernel ", v.name, ": this build of redfuser-ops has no CUDA support");
+#endif
+}
+
+int64_t warm_up(int32_t device_index) {
+#ifdef REDFUSER_WITH_CUDA
+  constexpr std::string_view op = "warm_up";
+  check(device_index >= 0, op, "invalid CUDA device index ", device_index);
+  if (built_families().empty()) return 0;
+  (void)select_family(op, device_index);  // the clear error when no family runs on this GPU
+  const auto cap = device_capability(op, device_index);
+  int prev = -1;
+  cuda_check(op, cudaGetDevice(&prev), "cudaGetDevice");
+  if (prev != device_index) cuda_check(op, cudaSetDevice(device_index), "cudaSetDevice");
+  int64_t n = 0;
+  try {
+    std::lock_guard<std::mutex> lk(init_mutex());
+    for (const CudaVariant* w : variant_registry()) {
+      // an op's variant runs on this device when the op's own families select its family here
+      std::vector<std::string> op_fams;
+      for (const CudaVariant* x : variant_registry())
+        if (std::string_view(x->op) == w->op && !has(op_fams, x->family)) op_fams.emplace_back(x->family);
+      const char* want = family_for_capability(cap.first, cap.second, op_fams);
+      if (want == nullptr || std::string_view(want) != w->family) continue;
+      init_locked(*w, device_index);
+      ++n;
+    }
+  } catch (...) {
+    if (prev != device_index) (void)cudaSetDevice(prev);
+    throw;
+  }
+  if (prev != device_index) (void)cudaSetDevice(prev);
+  return n;
+#else
+  (void)device_index;
+  return 0;
 #endif
 }
 
@@ -442,6 +502,39 @@ void check_launch(const CudaVariant& v, int32_t device_index, int rc) {
   if (rc == 0) return;
   const char* msg = v.get_last_error ? v.get_last_error() : "";
   failf(v.op, "kernel ", v.name, " failed on cuda:", device_index, ": ", msg);
+}
+
+// ---------------------------------------------------------------------------------------------
+// launch tiling
+// ---------------------------------------------------------------------------------------------
+
+int64_t batch_extent(const Tensor& t) {
+  if (t.numel() == 0) return 0;
+  int64_t e = 1;
+  for (int64_t d = 1; d < t.dim(); ++d) {
+    const int64_t s = t.stride(d) < 0 ? -t.stride(d) : t.stride(d);
+    e += (t.size(d) - 1) * s;
+  }
+  return e;
+}
+
+int64_t batch_chunk(std::string_view op, int64_t batch, const std::vector<BatchExtent>& tensors,
+                    int64_t max_grid) {
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  int64_t n = std::max<int64_t>(1, std::min(batch, max_grid));
+  for (const BatchExtent& t : tensors) {
+    // the largest offset of a launch of n batches is (n - 1) * sb + extent - 1 <= kMax
+    check(t.extent - 1 <= kMax, op, t.name, ": one batch spans ", t.extent,
+          " elements; the CUDA kernels index with int32 offsets, at most ", kMax);
+    const int64_t sb = t.batch_stride < 0 ? -t.batch_stride : t.batch_stride;
+    if (sb > 0 && t.extent > 0) n = std::min(n, (kMax + 1 - t.extent) / sb + 1);
+  }
+  return std::max<int64_t>(1, n);
+}
+
+int64_t batch_chunk(std::string_view op, int64_t batch, std::initializer_list<BatchExtent> tensors,
+                    int64_t max_grid) {
+  return batch_chunk(op, batch, std::vector<BatchExtent>(tensors), max_grid);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -162,3 +162,105 @@ def test_ptx_fallback_for_capabilities_without_sass(cap, families, want):
 def test_error_only_where_nothing_fits(cap, families):
     with pytest.raises(RuntimeError, match=rf"this GPU is sm_{cap[0]}{cap[1]}"):
         torch.ops.redfuser._select_family("op", cap[0], cap[1], families)
+
+
+# --------------------------------------------------------------------------------------------- generated CUDA glue
+def _fake_params(program: str) -> list[tuple]:
+    """A launcher's parameters as the lowering reports them, read from the TileLang program's signature."""
+    import re
+
+    found = re.search(r"T\.dynamic\(['\"]([^'\"]+)['\"]\)", program)
+    ints = found.group(1).split(", ") if found else []
+    start = program.index("@T.prim_func")
+    sig = program[start:program.index("):", start)]
+    params = [(n, "pointer", "", "void*") for n in re.findall(r"(\w+?)(?:_ptr)?: T\.(?:ptr|(?:Strided)?Tensor)", sig)]
+    params += [(n, "scalar", "", "int32_t" if t == "int32" else "float")
+               for n, t in re.findall(r"(\w+): T\.(int32|float32),", sig)]
+    params += [(n, "scalar", "", "int32_t") for n in ints if (n, "pointer", "", "void*") not in params]
+    return params + [("stream", "stream", "", "void*")]
+
+
+def _cuda_glue(op: str):
+    from generator.codegen import cuda
+    from generator.codegen.glue import CudaGlue, glue_source
+    from generator.symbolic.forms import analyze
+
+    spec = load_spec(SPECS / f"{op}.yaml")
+    an = analyze(spec)
+    make_plan, make_body = cuda.TEMPLATES[spec.variants.cuda.template]
+    plan = make_plan(spec, an, ["sm80", "sm90a"])
+    lowered = {j.symbol: {"params": _fake_params(j.program), "family": j.family} for j in plan.jobs}
+    decl = cuda.declarations(lowered) + [cuda._variant_object(s, op, i["family"]) for s, i in sorted(lowered.items())]
+    decl += getattr(plan, "support", [])
+    glue = CudaGlue(decl, make_body(spec, plan, lowered), [(s, i["family"]) for s, i in lowered.items()])
+    return glue_source(spec, an, f"{op}_cpu.h", glue, "test")
+
+
+@pytest.mark.parametrize("op", ["fused_attention", "moe_route"])
+def test_generated_cuda_glue_compiles_with_batch_tiling(op, tmp_path):
+    """The launch code: pointers offset per batch (or row) chunk on the host in 64-bit arithmetic, the chunk from
+    redfuser::batch_chunk (int32 offsets, grid limit), stride-0 inputs copied; it must compile as C++."""
+    import shutil
+    import subprocess
+    import sys
+
+    src = _cuda_glue(op)
+    if op == "fused_attention":
+        assert "redfuser::batch_chunk(kOp, A.sz_B," in src and "redfuser::batch_ptr(qq, b0)" in src
+        assert "t.stride(d) <= 0" in src  # expanded inputs are copied, never given to TMA
+        assert "const int64_t nb = std::min(bchunk, A.sz_B - b0);" in src
+    else:
+        assert "redfuser::batch_chunk(kOp, A.sz_T," in src and "redfuser::batch_ptr(logits_c, r0)" in src
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    gen = tmp_path / "gen"
+    subprocess.run([sys.executable, "-m", "generator", "emit", "--out", str(gen), "--archs=", str(SPECS / f"{op}.yaml")],
+                   check=True, capture_output=True, cwd=SPECS.parent)
+    (tmp_path / "glue.cpp").write_text(src)
+    inc = Path(torch.__file__).parent / "include"
+    r = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-DTORCH_STABLE_ONLY",
+                        "-DTORCH_TARGET_VERSION=0x020A000000000000", f"-I{inc}", f"-I{SPECS.parent / 'ops_src'}",
+                        f"-I{gen / 'cpu'}", str(tmp_path / "glue.cpp")], capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
+def test_batch_chunk_rule():
+    """The launch tiling of the CUDA glue (runtime.cpp), through its test op: a launch covers batches whose int32
+    offsets and grid fit; base pointers are offset on the host."""
+    chunk = torch.ops.redfuser._batch_chunk
+    # the issue's case: B = 2 with a batch stride of 2**32 and a small batch: one batch per launch, not a
+    # truncated stride (int32(2**32) = 0 read batch 0 twice); exactly 2**31 is valid too
+    assert chunk("op", 2, f"q:{2**32}:{2**20}") == 1
+    assert chunk("op", 4, f"q:{2**31}:{2**20}") == 1
+    assert chunk("op", 4, f"q:{2**29}:{2**29}") == 4  # 4 * 2**29 - 1 = 2**31 - 1: still fits
+    assert chunk("op", 5, f"q:{2**29}:{2**29}") == 4
+    # the grid's batch dimension: at most 65535 per launch
+    assert chunk("op", 100000, "q:8:8") == 65535
+    assert chunk("op", 100000, "q:8:8", 2**31 - 1) == 100000
+    assert chunk("op", 0, "q:8:8") == 1
+    assert chunk("op", 3, f"q:{2**30}:{2**31}") == 1  # offsets up to 2**31 - 1: one batch per launch
+    # one batch larger than int32 offsets can reach: a clear error naming the tensor (the issue's 1M x 32 x 128)
+    with pytest.raises(RuntimeError, match=r"op: k: one batch spans 4294967296 elements; .*int32"):
+        chunk("op", 2, f"q:8:8;k:{2**32}:{2**32}")
+
+
+@pytest.mark.parametrize("family", ["sm90a", "sm100a", "sm80"])
+def test_every_thread_fences_before_the_tma_store(family):
+    """The threads that write O_shared with generic stores each issue fence.proxy.async before the barrier that
+    precedes the TMA store (lowered for sm90a: `tl::fence_proxy_async(); tl::__sync_thread_partial(..);
+    if (elect) { tl::tma_store(..) }`); sm80 has no TMA store and no fence."""
+    from generator.codegen.cuda import attention_math
+    from generator.codegen.templates import stream_attention as sa
+    from generator.symbolic.forms import analyze
+
+    an = analyze(load_spec(SPECS / "fused_attention.yaml"))
+    math, causal = attention_math(an.cases[0])
+    cfg = sa.default_config(family, "float16", 128, causal)
+    lines = [x.strip() for x in sa.emit_attention_program(math, cfg, "v").splitlines()]
+    store = lines.index("T.copy(acc_o, O_shared)")
+    if family == "sm80":
+        assert "T.fence_proxy_async()" not in lines
+        return
+    assert lines[store + 1] == "T.fence_proxy_async()"
+    assert lines[store + 2].startswith("T.copy(O_shared, O[")
