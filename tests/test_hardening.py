@@ -206,11 +206,11 @@ def test_generated_cuda_glue_compiles_with_batch_tiling(op, tmp_path):
 
     src = _cuda_glue(op)
     if op == "fused_attention":
-        assert "redfuser::batch_chunk(kOp, A.sz_B," in src and "redfuser::batch_ptr(qq, b0)" in src
+        assert "redfuser::batch_chunk(kOp, A.sz_B," in src and "redfuser::batch_ptr(qq, b_launch0)" in src
         assert "t.stride(d) <= 0" in src  # expanded inputs are copied, never given to TMA
-        assert "const int64_t nb = std::min(bchunk, A.sz_B - b0);" in src
+        assert "const int64_t n_launch_b = std::min(bchunk, A.sz_B - b_launch0);" in src
     else:
-        assert "redfuser::batch_chunk(kOp, A.sz_T," in src and "redfuser::batch_ptr(logits_c, r0)" in src
+        assert "redfuser::batch_chunk(kOp, A.sz_T," in src and "redfuser::batch_ptr(logits_c, r_launch0)" in src
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no C++ compiler")
@@ -250,14 +250,13 @@ def test_every_thread_fences_before_the_tma_store(family):
     """The threads that write O_shared with generic stores each issue fence.proxy.async before the barrier that
     precedes the TMA store (lowered for sm90a: `tl::fence_proxy_async(); tl::__sync_thread_partial(..);
     if (elect) { tl::tma_store(..) }`); sm80 has no TMA store and no fence."""
-    from generator.codegen.cuda import attention_math
-    from generator.codegen.templates import stream_attention as sa
+    from generator.codegen import cuda
     from generator.symbolic.forms import analyze
 
-    an = analyze(load_spec(SPECS / "fused_attention.yaml"))
-    math, causal = attention_math(an.cases[0])
-    cfg = sa.default_config(family, "float16", 128, causal)
-    lines = [x.strip() for x in sa.emit_attention_program(math, cfg, "v").splitlines()]
+    spec = load_spec(SPECS / "fused_attention.yaml")
+    plan = cuda.TEMPLATES["stream_attention"][0](spec, analyze(spec), [family])
+    job = next(j for j in plan.jobs if "splitkv" not in j.symbol and "combine" not in j.symbol)
+    lines = [x.strip() for x in job.program.splitlines()]
     store = lines.index("T.copy(acc_o, O_shared)")
     if family == "sm80":
         assert "T.fence_proxy_async()" not in lines

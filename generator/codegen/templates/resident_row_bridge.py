@@ -341,13 +341,13 @@ def row_body(spec: OpSpec, plan: Plan, lowered: dict[str, dict]) -> list[str]:
     extents = ", ".join(f"{{\"{n}\", {x}.stride(0), redfuser::batch_extent({x})}}" for x, n in per_row)
     L.append(f"  const int64_t rchunk = redfuser::batch_chunk(kOp, {names[ir_rows]}, {{{extents}}}, "
              "std::numeric_limits<int32_t>::max());")
-    L.append(f"  for (int64_t r0 = 0; r0 < {names[ir_rows]}; r0 += rchunk) {{")
-    L.append(f"  const int64_t nr = std::min(rchunk, {names[ir_rows]} - r0);")
+    L.append(f"  for (int64_t r_launch0 = 0; r_launch0 < {names[ir_rows]}; r_launch0 += rchunk) {{")
+    L.append(f"  const int64_t n_launch_r = std::min(rchunk, {names[ir_rows]} - r_launch0);")
     L.append("  bool launched = false;")
     for x, n in per_row:
-        t_args[n] = f"redfuser::batch_ptr({x}, r0)"
+        t_args[n] = f"redfuser::batch_ptr({x}, r_launch0)"
     args = {**t_args, **{k: v for k, v in names.items()}, ir_k: f"A.p_{ir_k}"}
-    args[ir_rows] = args["num_tokens"] = "nr"
+    args[ir_rows] = args["num_tokens"] = "n_launch_r"
     caps_by = {}
     for fam, dtype, cap, sym, pre in plan.entries:  # type: ignore[attr-defined]
         caps_by.setdefault((fam, dtype), []).append((cap, sym, pre))
