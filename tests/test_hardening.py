@@ -272,3 +272,15 @@ def test_warm_up_entry_point():
     if info["families"]:
         pytest.skip("needs a GPU on a CUDA build (tests/gpu)")
     assert redfuser_ops.warm_up(0) == 0
+
+
+def test_only_index_and_length_uses_are_checked():
+    """softmax_cross_entropy documents target in [0, V) but compares it (ignore_index tokens hold -100): a value that
+    is never used as an index or a length is not checked; mla_decode's table (an index) and lengths (the mask) are."""
+    from generator.codegen.glue import glue_source
+    from generator.symbolic.forms import analyze
+
+    for op, checked in (("softmax_cross_entropy", False), ("mla_decode", True)):
+        spec = load_spec(SPECS / f"{op}.yaml")
+        src = glue_source(spec, analyze(spec), f"{op}_cpu.h", None, "test")
+        assert ("domain_error(" in src) is checked, op

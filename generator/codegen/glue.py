@@ -359,8 +359,8 @@ class _Glue:
         return L
 
     def domain_check(self) -> list[str]:
-        """check_value_domains(A, tensors...): every entry of an index tensor that the cascade uses lies in the
-        tensor's declared domain, or an error names the argument, the entry and the bound.
+        """check_value_domains(A, tensors...): every entry of an index tensor that the cascade uses as an index or a
+        length lies in the tensor's declared domain, or an error names the argument, the entry and the bound.
 
         Used entries, per specialisation: a read outside the element lets (a length in the mask, a row value)
         uses every entry its indices reach; a read in an element let (a gather along the reduced axis) uses
@@ -419,6 +419,21 @@ class _Glue:
             return None
 
         pr = CppPrinter(resolve)
+        # only reads whose value is used as an index (inside another read's indices, directly or through a let)
+        # or as a length (in the mask) must lie in the domain; a value only compared (a class target that may
+        # hold an ignore_index) reads no memory through it
+        lets = {x.symbol: x for x in ir.lets}
+        exprs = [x.expr for x in ir.lets] + [r.body for r in ir.reductions] + [o.value for o in ir.outputs]
+        used = set(reads(mask))
+        for e in exprs + [mask]:
+            if not isinstance(e, sp.Basic):
+                continue
+            for ix in e.atoms(sp.Indexed):
+                for i in ix.indices:
+                    used |= set(reads(i))
+                    for sym in i.free_symbols:
+                        if sym in lets:
+                            used |= set(reads(lets[sym].expr))
         first = reads(mask)
         for let in ir.lets:
             if let.name not in elem:
@@ -426,6 +441,8 @@ class _Glue:
         later = [x for let in ir.lets if let.name in elem for x in reads(let.expr)]
         for r in ir.reductions:
             later += reads(r.body)
+        first = [x for x in first if x in used]
+        later = [x for x in later if x in used]
         out, seen = [], set()
         for phase, items in ((0, first), (1, later)):
             for x in items:
