@@ -155,6 +155,30 @@ std::string op_select_family(std::string op, int64_t major, int64_t minor, std::
   return select_family_for_capability(op, static_cast<int>(major), static_cast<int>(minor), fams);
 }
 
+// Exposes the launch tiling rule for tests without a GPU: tensors as "name:batch_stride:extent;...".
+int64_t op_batch_chunk(std::string op, int64_t batch, std::string tensors, int64_t max_grid) {
+  std::vector<std::string> names;
+  std::vector<BatchExtent> ts;
+  size_t pos = 0;
+  while (pos < tensors.size()) {
+    size_t end = tensors.find(';', pos);
+    if (end == std::string::npos) end = tensors.size();
+    const std::string item = tensors.substr(pos, end - pos);
+    const size_t a = item.find(':'), b = item.rfind(':');
+    check(a != std::string::npos && b != a, op, "bad tensor spec '", item, "'");
+    names.push_back(item.substr(0, a));
+    ts.push_back({std::string_view(), std::stoll(item.substr(a + 1, b - a - 1)), std::stoll(item.substr(b + 1))});
+    pos = end + 1;
+  }
+  for (size_t i = 0; i < ts.size(); ++i) ts[i].name = names[i];
+  return batch_chunk(op, batch, ts, max_grid);
+}
+
+int64_t op_warm_up(int64_t device) { return warm_up(static_cast<int32_t>(device)); }
+
+bool op_set_check_inputs(bool on) { return set_check_inputs(on); }
+bool op_check_inputs() { return check_inputs_enabled(); }
+
 }  // namespace
 }  // namespace redfuser
 
@@ -169,9 +193,17 @@ extern "C" const char* redfuser_build_info_json() {
 STABLE_TORCH_LIBRARY(redfuser, m) {
   m.def("_build_info() -> str");
   m.def("_select_family(str op, int major, int minor, str families) -> str");
+  m.def("_set_check_inputs(bool on) -> bool");
+  m.def("_warm_up(int device) -> int");
+  m.def("_batch_chunk(str op, int batch, str tensors, int max_grid=65535) -> int");
+  m.def("_check_inputs() -> bool");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(redfuser, CompositeExplicitAutograd, m) {
   m.impl("_build_info", TORCH_BOX(&redfuser::op_build_info));
   m.impl("_select_family", TORCH_BOX(&redfuser::op_select_family));
+  m.impl("_set_check_inputs", TORCH_BOX(&redfuser::op_set_check_inputs));
+  m.impl("_warm_up", TORCH_BOX(&redfuser::op_warm_up));
+  m.impl("_batch_chunk", TORCH_BOX(&redfuser::op_batch_chunk));
+  m.impl("_check_inputs", TORCH_BOX(&redfuser::op_check_inputs));
 }

@@ -192,6 +192,50 @@ void check_fits_int32(std::string_view op, std::string_view arg, const Tensor& t
 }
 
 // ---------------------------------------------------------------------------------------------
+// value domains
+// ---------------------------------------------------------------------------------------------
+
+IndexView index_view(std::string_view op, std::string_view arg, const Tensor& t) {
+  check(t.is_cpu(), op, "internal error: ", arg, " must be on the CPU to check its values");
+  const ScalarType st = t.scalar_type();
+  check(st == ScalarType::Int || st == ScalarType::Long, op, arg, " must be int32 or int64 to check its values, got ",
+        dtype_name(st));
+  check(t.dim() <= 8, op, arg, " has more than 8 dims");
+  IndexView v;
+  v.data = t.numel() > 0 ? t.const_data_ptr() : nullptr;
+  v.is64 = st == ScalarType::Long;
+  v.ndim = t.dim();
+  for (int64_t d = 0; d < t.dim(); ++d) v.strides[d] = t.stride(d);
+  return v;
+}
+
+void domain_error(std::string_view op, std::string_view arg, std::initializer_list<int64_t> idx, int64_t value,
+                  std::string_view domain, int64_t lo, int64_t hi) {
+  std::string at;
+  for (int64_t i : idx) at += (at.empty() ? "" : ", ") + std::to_string(i);
+  const char close = domain.empty() ? ')' : domain.back();
+  failf(op, arg, "[", at, "] = ", value, " is outside its domain ", domain, " = [", lo, ", ", hi, close);
+}
+
+Tensor host_copy(const Tensor& t) {
+  if (t.is_cpu()) return t;
+  return torch::stable::to(t, torch::stable::Device(torch::headeronly::DeviceType::CPU));
+}
+
+#ifndef REDFUSER_CHECK_INPUTS
+#define REDFUSER_CHECK_INPUTS 0
+#endif
+
+static std::atomic<bool>& check_inputs_flag() {
+  static std::atomic<bool> flag{REDFUSER_CHECK_INPUTS != 0};
+  return flag;
+}
+
+bool check_inputs_enabled() { return check_inputs_flag().load(std::memory_order_relaxed); }
+
+bool set_check_inputs(bool on) { return check_inputs_flag().exchange(on); }
+
+// ---------------------------------------------------------------------------------------------
 // families
 // ---------------------------------------------------------------------------------------------
 
@@ -236,19 +280,14 @@ static bool has(const std::vector<std::string>& v, std::string_view x) {
 }
 
 const char* family_for_capability(int major, int minor, const std::vector<std::string>& available) {
-  // sm_80 SASS runs on every 8.x; compute_80 PTX is JIT-compiled on 9.0 and 10.0 when the
-  // arch-specific family was not built. The 'a' families run only on exactly their arch.
-  if (major == 8 && minor == 9 && has(available, "sm89")) return "sm89";  // fp8 tensor cores
-  if (major == 8) return has(available, "sm80") ? "sm80" : nullptr;
-  if (major == 9 && minor == 0) {
-    if (has(available, "sm90a")) return "sm90a";
-    return has(available, "sm80") ? "sm80" : nullptr;
-  }
-  if (major == 10 && minor == 0) {
-    if (has(available, "sm100a")) return "sm100a";
-    return has(available, "sm80") ? "sm80" : nullptr;
-  }
-  return nullptr;
+  // sm_80 SASS runs on every 8.x. The 'a' families run only on exactly their arch (9.0, 10.0).
+  // Every other capability >= 8.0 (9.x, 10.x other than 10.0, 11.x, 12.x, ...) runs the sm80
+  // family's compute_80 PTX, JIT-compiled by the driver; below 8.0 nothing fits.
+  if (major < 8) return nullptr;
+  if (major == 8 && minor == 9 && has(available, "sm89")) return "sm89";  // fp8 tensor cores, exactly 8.9
+  if (major == 9 && minor == 0 && has(available, "sm90a")) return "sm90a";
+  if (major == 10 && minor == 0 && has(available, "sm100a")) return "sm100a";
+  return has(available, "sm80") ? "sm80" : nullptr;
 }
 
 static std::string archs_of(const std::vector<std::string>& fams) {
@@ -371,22 +410,31 @@ void* current_cuda_stream(std::string_view op, int32_t device_index) {
   return mu;
 }
 
-void ensure_initialized(const CudaVariant& v, int32_t device_index) {
-  if (device_index >= 0 && device_index < 64 &&
-      ((v.ready_mask.load(std::memory_order_acquire) >> device_index) & 1u))
-    return;
+static std::vector<const CudaVariant*>& variant_registry() {
+  static std::vector<const CudaVariant*> all;  // filled by static constructors, read after load
+  return all;
+}
+
+CudaVariant::CudaVariant(const char* op_, const char* name_, const char* family_, int (*init_)(),
+                         const char* (*get_last_error_)())
+    : op(op_), name(name_), family(family_), init(init_), get_last_error(get_last_error_) {
+  variant_registry().push_back(this);
+}
+
+static bool is_ready(const CudaVariant& v, int32_t device_index) {
+  return device_index >= 0 && device_index < 64 &&
+         ((v.ready_mask.load(std::memory_order_acquire) >> device_index) & 1u);
+}
+
 #ifdef REDFUSER_WITH_CUDA
-  std::lock_guard<std::mutex> lk(init_mutex());
+// Under init_mutex(), with the device current: v.init() once.
+static void init_locked(const CudaVariant& v, int32_t device_index) {
   static std::set<std::pair<const CudaVariant*, int32_t>> high_devices;  // devices >= 64
   if (device_index < 64) {
-    if ((v.ready_mask.load(std::memory_order_acquire) >> device_index) & 1u) return;
+    if (is_ready(v, device_index)) return;
   } else if (high_devices.count({&v, device_index})) {
     return;
   }
-  int current = -1;
-  cuda_check(v.op, cudaGetDevice(&current), "cudaGetDevice");
-  check(current == device_index, v.op, "internal error: initialising ", v.name, " for cuda:",
-        device_index, " while cuda:", current, " is current");
   const int rc = v.init();
   if (rc != 0) {
     const char* msg = v.get_last_error ? v.get_last_error() : "";
@@ -396,8 +444,59 @@ void ensure_initialized(const CudaVariant& v, int32_t device_index) {
     v.ready_mask.fetch_or(uint64_t{1} << device_index, std::memory_order_release);
   else
     high_devices.insert({&v, device_index});
+}
+#endif
+
+void ensure_initialized(const CudaVariant& v, int32_t device_index) {
+  if (is_ready(v, device_index)) return;
+#ifdef REDFUSER_WITH_CUDA
+  std::lock_guard<std::mutex> lk(init_mutex());
+  int current = -1;
+  cuda_check(v.op, cudaGetDevice(&current), "cudaGetDevice");
+  check(current == device_index, v.op, "internal error: initialising ", v.name, " for cuda:",
+        device_index, " while cuda:", current, " is current");
+  // the first launch on a device initialises every variant of its family (of all ops), so that a
+  // graph captured after one eager call of any op never runs init inside the capture
+  for (const CudaVariant* w : variant_registry())
+    if (std::string_view(w->family) == v.family) init_locked(*w, device_index);
+  init_locked(v, device_index);
 #else
   failf(v.op, "kernel ", v.name, ": this build of redfuser-ops has no CUDA support");
+#endif
+}
+
+int64_t warm_up(int32_t device_index) {
+#ifdef REDFUSER_WITH_CUDA
+  constexpr std::string_view op = "warm_up";
+  check(device_index >= 0, op, "invalid CUDA device index ", device_index);
+  if (built_families().empty()) return 0;
+  (void)select_family(op, device_index);  // the clear error when no family runs on this GPU
+  const auto cap = device_capability(op, device_index);
+  int prev = -1;
+  cuda_check(op, cudaGetDevice(&prev), "cudaGetDevice");
+  if (prev != device_index) cuda_check(op, cudaSetDevice(device_index), "cudaSetDevice");
+  int64_t n = 0;
+  try {
+    std::lock_guard<std::mutex> lk(init_mutex());
+    for (const CudaVariant* w : variant_registry()) {
+      // an op's variant runs on this device when the op's own families select its family here
+      std::vector<std::string> op_fams;
+      for (const CudaVariant* x : variant_registry())
+        if (std::string_view(x->op) == w->op && !has(op_fams, x->family)) op_fams.emplace_back(x->family);
+      const char* want = family_for_capability(cap.first, cap.second, op_fams);
+      if (want == nullptr || std::string_view(want) != w->family) continue;
+      init_locked(*w, device_index);
+      ++n;
+    }
+  } catch (...) {
+    if (prev != device_index) (void)cudaSetDevice(prev);
+    throw;
+  }
+  if (prev != device_index) (void)cudaSetDevice(prev);
+  return n;
+#else
+  (void)device_index;
+  return 0;
 #endif
 }
 
@@ -405,6 +504,39 @@ void check_launch(const CudaVariant& v, int32_t device_index, int rc) {
   if (rc == 0) return;
   const char* msg = v.get_last_error ? v.get_last_error() : "";
   failf(v.op, "kernel ", v.name, " failed on cuda:", device_index, ": ", msg);
+}
+
+// ---------------------------------------------------------------------------------------------
+// launch tiling
+// ---------------------------------------------------------------------------------------------
+
+int64_t batch_extent(const Tensor& t) {
+  if (t.numel() == 0) return 0;
+  int64_t e = 1;
+  for (int64_t d = 1; d < t.dim(); ++d) {
+    const int64_t s = t.stride(d) < 0 ? -t.stride(d) : t.stride(d);
+    e += (t.size(d) - 1) * s;
+  }
+  return e;
+}
+
+int64_t batch_chunk(std::string_view op, int64_t batch, const std::vector<BatchExtent>& tensors,
+                    int64_t max_grid) {
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  int64_t n = std::max<int64_t>(1, std::min(batch, max_grid));
+  for (const BatchExtent& t : tensors) {
+    // the largest offset of a launch of n batches is (n - 1) * sb + extent - 1 <= kMax
+    check(t.extent - 1 <= kMax, op, t.name, ": one batch spans ", t.extent,
+          " elements; the CUDA kernels index with int32 offsets, at most ", kMax);
+    const int64_t sb = t.batch_stride < 0 ? -t.batch_stride : t.batch_stride;
+    if (sb > 0 && t.extent > 0) n = std::min(n, (kMax + 1 - t.extent) / sb + 1);
+  }
+  return std::max<int64_t>(1, n);
+}
+
+int64_t batch_chunk(std::string_view op, int64_t batch, std::initializer_list<BatchExtent> tensors,
+                    int64_t max_grid) {
+  return batch_chunk(op, batch, std::vector<BatchExtent>(tensors), max_grid);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -146,6 +146,37 @@ inline void if_present(const std::optional<Tensor>& t, F&& check) {
 }
 
 // ============================================================================================
+// Value domains of index tensors (spec key `values`, e.g. block_table "[0, NB)")
+// ============================================================================================
+
+// Read access to an int32/int64 CPU tensor of up to 8 dims through its strides.
+struct IndexView {
+  const void* data = nullptr;
+  bool is64 = false;
+  int64_t ndim = 0;
+  int64_t strides[8] = {};
+  int64_t operator()(std::initializer_list<int64_t> idx) const {
+    int64_t off = 0, d = 0;
+    for (int64_t i : idx) off += i * strides[d++];
+    return is64 ? static_cast<const int64_t*>(data)[off] : static_cast<const int32_t*>(data)[off];
+  }
+};
+// t must be a CPU int32/int64 tensor of at most 8 dims.
+IndexView index_view(std::string_view op, std::string_view arg, const Tensor& t);
+// "block_table[1, 3] = 1000000 is outside its domain [0, NB) = [0, 10)"
+[[noreturn]] void domain_error(std::string_view op, std::string_view arg, std::initializer_list<int64_t> idx,
+                               int64_t value, std::string_view domain, int64_t lo, int64_t hi);
+// A CPU copy of t (synchronous for a CUDA tensor: used only by the opt-in input checks).
+Tensor host_copy(const Tensor& t);
+
+// Whether the CPU-style value checks also run on CUDA (they read device memory: a host sync, and so
+// not inside a CUDA graph capture). Off by default; the build setting REDFUSER_CHECK_INPUTS=ON
+// turns it on by default, and redfuser_ops.set_check_inputs(bool) (op redfuser::_set_check_inputs)
+// at run time. set_check_inputs returns the previous setting.
+bool check_inputs_enabled();
+bool set_check_inputs(bool on);
+
+// ============================================================================================
 // CUDA: stream, device, arch family, lazy per-(variant, device) init, launch.
 // ============================================================================================
 
@@ -166,8 +197,9 @@ int32_t device_sm_count(std::string_view op, int32_t device_index);
 std::pair<int, int> device_capability(std::string_view op, int32_t device_index);
 
 // Pure rule: the family to run on a device of capability major.minor, among `available`, or
-// nullptr when none can run there. 8.9 -> sm89 if available; 8.x -> sm80; 9.0 -> sm90a, else sm80 (compute_80 PTX);
-// 10.0 -> sm100a, else sm80 (PTX); anything else -> none.
+// nullptr when none can run there. 8.9 -> sm89 when built; 8.x -> sm80 (SASS); 9.0 -> sm90a, 10.0 -> sm100a when built;
+// any other capability >= 8.0 (and 9.0/10.0 without their family) -> sm80 (its compute_80 PTX,
+// JIT-compiled by the driver); below 8.0 -> none.
 const char* family_for_capability(int major, int minor, const std::vector<std::string>& available);
 
 // The family to use for `op` on `device_index`, or throws
@@ -185,7 +217,10 @@ std::string family_arch_list(std::string_view family);
 
 // One generated CUDA variant. Define it with static storage duration:
 //   static redfuser::CudaVariant kV{"op", "op__bf16__sm90a", "sm90a", &sym_init, &sym_get_last_error};
+// Every variant registers itself at load time, so that one call can initialise them all (warm_up).
 struct CudaVariant {
+  CudaVariant(const char* op_, const char* name_, const char* family_, int (*init_)(),
+              const char* (*get_last_error_)());
   const char* op;
   const char* name;
   const char* family;
@@ -194,8 +229,15 @@ struct CudaVariant {
   mutable std::atomic<uint64_t> ready_mask{0};  // bit d: init() done on device d (d < 64)
 };
 
+// Init (module load, cudaFuncSetAttribute for the dynamic shared memory) must not run inside a
+// CUDA-graph capture. It happens on a device's first launch of any op, for every variant of the
+// family selected for that device (all ops at once), or earlier through warm_up.
 // Runs v.init() once per device (thread-safe); the device must be current (see CudaContext).
 void ensure_initialized(const CudaVariant& v, int32_t device_index);
+// Initialises every registered variant that runs on `device_index` (the family the device selects);
+// returns how many. The device becomes current for the call. Op redfuser::_warm_up(int device),
+// Python redfuser_ops.warm_up(device): call it before capturing a CUDA graph.
+int64_t warm_up(int32_t device_index);
 // Turns a non-zero return code of <symbol>_call into an exception naming op and variant.
 void check_launch(const CudaVariant& v, int32_t device_index, int rc);
 
@@ -222,6 +264,33 @@ class CudaContext {
   std::optional<torch::stable::accelerator::DeviceGuard> guard_;
   int previous_runtime_device_ = -1;
 };
+
+// ---- launch tiling over the batch. The generated kernels index with int32 (TileLang's dynamic
+// dims are int32) and put the batch in a grid dimension (at most 65535): a launch covers a chunk of
+// batches, and the host offsets each tensor's base pointer by b0 * batch_stride in 64-bit arithmetic.
+
+// One tensor of a launch: its batch stride and the extent of one batch (largest in-batch element
+// offset + 1), in elements.
+struct BatchExtent {
+  std::string_view name;
+  int64_t batch_stride;
+  int64_t extent;
+};
+// The extent of one batch of t (dims after the first): 1 + sum (size(d) - 1) * |stride(d)|; 0 if empty.
+int64_t batch_extent(const Tensor& t);
+// The most batches one launch may cover, so that every tensor's largest offset in the launch,
+// (n - 1) * batch_stride + extent - 1, fits int32 and n <= max_grid. Throws, naming the tensor,
+// when one batch alone does not fit ("q: one batch spans 4294967296 elements; the CUDA kernels
+// index with int32 offsets, at most 2147483647"). batch may be 0 (returns 1).
+int64_t batch_chunk(std::string_view op, int64_t batch, std::initializer_list<BatchExtent> tensors,
+                    int64_t max_grid = 65535);
+int64_t batch_chunk(std::string_view op, int64_t batch, const std::vector<BatchExtent>& tensors,
+                    int64_t max_grid = 65535);
+// &t[b0]: the base pointer of batch b0, offset in 64-bit arithmetic.
+inline void* batch_ptr(const Tensor& t, int64_t b0) {
+  const char* base = static_cast<const char*>(t.const_data_ptr());
+  return const_cast<char*>(base + b0 * t.stride(0) * static_cast<int64_t>(t.element_size()));
+}
 
 // ensure_initialized + call + check_launch. `call` takes the stream (void*) and returns the
 // launcher's int:  redfuser::launch(kV, ctx, [&](void* s) { return sym_call(..., s); });

@@ -16,7 +16,7 @@ from . import _loader
 
 _loader.load_library()
 
-__all__ = ["format_info", "info", "library_path"]
+__all__ = ["check_inputs", "format_info", "info", "library_path", "set_check_inputs", "warm_up"]
 
 for _mod in _loader.import_generated():
     for _name in getattr(_mod, "__all__", ()):
@@ -28,6 +28,36 @@ try:
     __version__ = _metadata.version("redfuser-ops")
 except _metadata.PackageNotFoundError:  # pragma: no cover - not installed as a distribution
     __version__ = _loader.build_info().get("version", "unknown")
+
+
+def set_check_inputs(on: bool) -> bool:
+    """Whether the ops check the values of index tensors on CUDA as they do on the CPU (for example that every
+    used ``block_table`` entry of ``mla_decode`` lies in ``[0, NB)``); returns the previous setting.
+
+    The check reads the index tensors back from the device, a host synchronisation per call: off by default
+    (then an out-of-domain index never reads or writes outside a tensor, see the README), so that the ops stay
+    CUDA-graph capturable. The build setting ``REDFUSER_CHECK_INPUTS=ON`` makes it the default. On the CPU the
+    values are always checked.
+    """
+    return bool(torch.ops.redfuser._set_check_inputs(bool(on)))
+
+
+def warm_up(device: int | torch.device | None = None) -> int:
+    """Loads and configures (module load, shared-memory attributes) every CUDA kernel that runs on `device`
+    (default: the current CUDA device); returns how many. Call it before capturing a CUDA graph whose ops have not
+    run on that device yet: init never runs inside a capture then. The first eager call of any op on a device does
+    the same for its family. Returns 0 on a build without CUDA kernels."""
+    if device is None:
+        index = torch.cuda.current_device()
+    else:
+        index = torch.device(device).index if not isinstance(device, int) else device
+        index = torch.cuda.current_device() if index is None else index
+    return int(torch.ops.redfuser._warm_up(int(index)))
+
+
+def check_inputs() -> bool:
+    """The current `set_check_inputs` setting."""
+    return bool(torch.ops.redfuser._check_inputs())
 
 
 def library_path() -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import sympy as sp
 
 from ..spec import OpSpec, ScalarArg, TensorArg
-from ..symbolic.expr import ExprParser, Scope
+from ..symbolic.expr import ExprParser, Scope, idiv
 from ..symbolic.forms import OpAnalysis
 from .cpp import CppPrinter
 from .cpu import float_inputs
@@ -108,6 +108,117 @@ def parse_size_expr(spec: OpSpec, an: OpAnalysis, text: str) -> sp.Expr:
     return ExprParser(_scope(spec, an), spec.loc).parse(text)
 
 
+# --------------------------------------------------------------------------------------------- checks
+def size_symbols(spec: OpSpec) -> dict[str, sp.Symbol]:
+    """The names a check can use, as the glue sees them at run time: a size may be 0 (an empty tensor), so axes
+    are only nonnegative (the engine's positive axes would fold `D >= 1` to true), int arguments any integer."""
+    out = {a.name: sp.Symbol(a.name, integer=True, nonnegative=True) for a in spec.axes}
+    for a in spec.scalars:
+        if a.type == "int":
+            out[a.name] = sp.Symbol(a.name, integer=True)
+        elif a.type == "float":
+            out[a.name] = sp.Symbol(a.name, real=True)
+    return out
+
+
+def _size_scope(spec: OpSpec) -> Scope:
+    flags = {a.name: (a.default if a.has_default else None) for a in spec.scalars if a.type in ("bool", "str")}
+    return Scope(values=dict(size_symbols(spec)), flags=flags)
+
+
+@dataclass(frozen=True)
+class SizeCheck:
+    expr: sp.Basic  # over size_symbols(spec)
+    message: str
+    implicit: bool = False  # added by the generator: a divisor of a spec check must be >= 1 first
+
+
+def divisors(expr: sp.Basic) -> list[sp.Expr]:
+    """The expressions `expr` divides by or takes a modulus of, in a stable order."""
+    out: list[sp.Expr] = []
+    for node in sp.preorder_traversal(expr):
+        den = None
+        if isinstance(node, (sp.Mod, idiv)):
+            den = node.args[1]
+        elif isinstance(node, sp.Pow) and node.exp.is_number and node.exp < 0:
+            den = node.base
+        if den is not None and not (den.is_number and den >= 1) and den not in out:
+            out.append(den)
+    return out
+
+
+def _proved_positive(expr: sp.Basic) -> set[sp.Expr]:
+    """Expressions that a passed check proves >= 1 (`X >= 1`, `X > 0`, `1 <= X`, conjunctions of those)."""
+    if isinstance(expr, sp.And):
+        return set().union(*(_proved_positive(a) for a in expr.args))
+    lo = {sp.GreaterThan: (0, 1, 1), sp.StrictGreaterThan: (0, 1, 0),
+          sp.LessThan: (1, 0, 1), sp.StrictLessThan: (1, 0, 0)}.get(type(expr))
+    if lo is None:
+        return set()
+    big, small, bound = expr.args[lo[0]], expr.args[lo[1]], lo[2]
+    return {big} if small.is_number and small >= bound else set()
+
+
+def ordered_checks(spec: OpSpec) -> list[SizeCheck]:
+    """The spec's checks in an order where none divides by a size not yet checked >= 1.
+
+    A check runs once the checks before it prove each of its divisors >= 1 (spec order otherwise); where no
+    spec check proves it, an implicit `divisor >= 1` check naming the spec check comes first. A check that holds
+    for every size (`D >= 0`) is dropped."""
+    scope = _size_scope(spec)
+    pending = []
+    for ch in spec.checks:
+        v = ExprParser(scope, ch.loc).parse(ch.expr)
+        v = sp.true if v is True else sp.false if v is False else v
+        if v is not sp.true:
+            pending.append((ch, v))
+    known: set[sp.Expr] = set()
+    out: list[SizeCheck] = []
+    while pending:
+        ready = next((p for p in pending if all(d in known for d in divisors(p[1]))), None)
+        if ready is None:
+            ch, v = pending[0]
+            den = next(d for d in divisors(v) if d not in known)
+            out.append(SizeCheck(sp.Ge(den, 1), f"{_text(den)} must be at least 1 ({ch.expr} divides by it)", True))
+            known.add(den)
+            continue
+        pending.remove(ready)
+        out.append(SizeCheck(ready[1], ready[0].message))
+        known |= _proved_positive(ready[1])
+    return out
+
+
+def _text(e: sp.Basic) -> str:
+    return str(e).replace("idiv(", "floordiv(")
+
+
+@dataclass(frozen=True)
+class ValueDomain:
+    """An integer tensor's declared value domain `[lo, hi)` or `[lo, hi]` (spec key `values`)."""
+
+    tensor: str
+    lo: sp.Expr
+    hi: sp.Expr
+    hi_closed: bool
+    text: str
+
+
+def value_domains(spec: OpSpec) -> list[ValueDomain]:
+    out = []
+    scope = _size_scope(spec)
+    for t in spec.tensors:
+        if not t.values:
+            continue
+        text = t.values.strip()
+        if not (text.startswith("[") and text[-1] in ")]" and text.count(",") == 1):
+            raise ValueError(f"{spec.file}: {t.name}: values must read '[lo, hi)' or '[lo, hi]', got {text!r}")
+        lo_text, hi_text = text[1:-1].split(",")
+        lo = ExprParser(scope, t.loc).parse(lo_text.strip())
+        hi = ExprParser(scope, t.loc).parse(hi_text.strip())
+        out.append(ValueDomain(t.name, sp.sympify(lo), sp.sympify(hi), text[-1] == "]", text))
+    return out
+
+
 # --------------------------------------------------------------------------------------------- C++
 class _Glue:
     def __init__(self, spec: OpSpec, an: OpAnalysis):
@@ -125,7 +236,14 @@ class _Glue:
             return None
 
         self.pr = CppPrinter(resolve)
+        self.sizes = size_symbols(spec)
+        self.spr = CppPrinter(lambda e: self.size_name(e.name)
+                              if isinstance(e, sp.Symbol) and self.sizes.get(e.name) == e else None)
         self.sources = axis_sources(spec)
+
+    def size_name(self, name: str) -> str:
+        """C++ of a size or int/float argument in the prepared Args."""
+        return f"A.sz_{name}" if name in self.ir.axes else f"A.p_{name}"
 
     def dim_expr(self, dim: str) -> str:
         if dim.isdigit():
@@ -205,14 +323,13 @@ class _Glue:
                                         for n, ch in enumerate(a.choices))
                 L.append(f"  {choices} else failf(kOp, \"{a.name} must be one of "
                          f"{', '.join(repr(c) for c in a.choices)}, got '\", {a.name}, \"'\");")
-        # the spec's checks, with the values of the names they use
-        for ch, expr in zip(spec.checks, ir.checks):
-            if expr is sp.true:  # holds for every size (e.g. D >= 1 for a positive axis)
-                continue
-            order = [x.name for x in spec.axes] + [x.name for x in spec.args]  # spec order: renaming keeps it
-            names = sorted({s.name for s in expr.free_symbols}, key=order.index)
-            values = ", \", \", ".join(f"\"{n} = \", {self.pr(ir.axes.get(n, ir.scalars.get(n)))}" for n in names)
-            L.append(f"  check({self.pr(expr)}, kOp, \"{ch.message} (\", {values}, \")\");")
+        # the spec's checks (sizes may be 0: nothing is assumed positive), each after the checks that make its
+        # divisors >= 1, with the values of the names they use, in spec order (renaming keeps it)
+        order = [x.name for x in spec.axes] + [x.name for x in spec.args]
+        for chk in ordered_checks(spec):
+            names = sorted({s.name for s in chk.expr.free_symbols}, key=order.index)
+            values = ", \", \", ".join(f"\"{n} = \", {self.size_name(n)}" for n in names)
+            L.append(f"  check({self.spr(chk.expr)}, kOp, \"{chk.message} (\", {values}, \")\");")
         # pointers and strides of inputs
         for t in spec.tensors:
             ref = t.name if not t.optional else f"(*{t.name})"
@@ -241,6 +358,125 @@ class _Glue:
         L.append("}")
         return L
 
+    def domain_check(self) -> list[str]:
+        """check_value_domains(A, tensors...): every entry of an index tensor that the cascade uses as an index or a
+        length lies in the tensor's declared domain, or an error names the argument, the entry and the bound.
+
+        Used entries, per specialisation: a read outside the element lets (a length in the mask, a row value)
+        uses every entry its indices reach; a read in an element let (a gather along the reduced axis) uses
+        only the entries of the keys that the mask keeps, so unused entries may hold anything. The reads of the
+        mask are checked first, since the mask is evaluated to find the used entries of the others."""
+        doms = {d.tensor: d for d in value_domains(self.spec)}
+        if not doms:
+            return []
+        spec = self.spec
+        for name in doms:
+            if spec.arg(name).optional:
+                raise ValueError(f"{spec.file}: {name}: a value domain on an optional tensor is not supported")
+        params = ", ".join(f"const Tensor& {n}" for n in doms)
+        L = [f"[[maybe_unused]] void check_value_domains(const Args& A, {params}) {{",
+             *[f"  const IndexView v_{n} = index_view(kOp, \"{n}\", {n});" for n in doms]]
+        for k, a in enumerate(self.an.cases):
+            cond = " && ".join(self._case_cond(n, v) for n, v in a.ir.specialization) or "true"
+            L.append(f"  {'if' if k == 0 else 'else if'} ({cond}) {{")
+            L += ["    " + x for x in self._case_domain_checks(a.ir, doms)]
+            L.append("  }")
+        L.append("}")
+        return L
+
+    def _case_cond(self, name: str, value) -> str:
+        a = self.spec.arg(name)
+        if isinstance(a, TensorArg):
+            return f"{'' if value == 'present' else '!'}A.has_{name}"
+        if a.type == "bool":
+            return f"A.f_{name} == {'true' if value else 'false'}"
+        return f"A.f_{name} == {a.choices.index(value)}"
+
+    def _case_domain_checks(self, ir, doms: dict[str, ValueDomain]) -> list[str]:
+        over = ir.indices[ir.over]
+        mask = ir.mask if ir.mask not in (True, None) else sp.true
+        elem = {x.name for x in ir.element_lets}
+
+        def reads(e) -> list[sp.Indexed]:
+            if not isinstance(e, sp.Basic):
+                return []
+            return sorted((x for x in e.atoms(sp.Indexed) if str(x.base.label) in doms), key=str)
+
+        pr: CppPrinter
+
+        def resolve(e: sp.Basic) -> str | None:
+            if isinstance(e, sp.Symbol):
+                if ir.indices.get(e.name) == e:
+                    return f"ix_{e.name}"
+                if e.name in ir.axes or e.name in self.sizes:
+                    return self.size_name(e.name)
+                return None
+            if isinstance(e, sp.Indexed):
+                label = str(e.base.label)
+                if label not in doms:
+                    raise ValueError(f"{self.spec.file}: the mask reads {label}, which has no value domain")
+                return f"v_{label}({{{', '.join(pr(i) for i in e.indices)}}})"
+            return None
+
+        pr = CppPrinter(resolve)
+        # only reads whose value is used as an index (inside another read's indices, directly or through a let)
+        # or as a length (in the mask) must lie in the domain; a value only compared (a class target that may
+        # hold an ignore_index) reads no memory through it
+        lets = {x.symbol: x for x in ir.lets}
+        exprs = [x.expr for x in ir.lets] + [r.body for r in ir.reductions] + [o.value for o in ir.outputs]
+        used = set(reads(mask))
+        for e in exprs + [mask]:
+            if not isinstance(e, sp.Basic):
+                continue
+            for ix in e.atoms(sp.Indexed):
+                for i in ix.indices:
+                    used |= set(reads(i))
+                    for sym in i.free_symbols:
+                        if sym in lets:
+                            used |= set(reads(lets[sym].expr))
+        first = reads(mask)
+        for let in ir.lets:
+            if let.name not in elem:
+                first += reads(let.expr)
+        later = [x for let in ir.lets if let.name in elem for x in reads(let.expr)]
+        for r in ir.reductions:
+            later += reads(r.body)
+        first = [x for x in first if x in used]
+        later = [x for x in later if x in used]
+        out, seen = [], set()
+        for phase, items in ((0, first), (1, later)):
+            for x in items:
+                gathered = phase == 1 and x.has(over)
+                key = (str(x), gathered)
+                if key in seen:
+                    continue
+                seen.add(key)
+                syms = set().union(*(i.free_symbols for i in x.indices))
+                if gathered:
+                    syms |= mask.free_symbols if isinstance(mask, sp.Basic) else set()
+                loop = [n for n, s in ir.indices.items() if s in syms]
+                d = doms[str(x.base.label)]
+                lo, hi = pr(d.lo.xreplace(self._ir_sizes(ir))), pr(d.hi.xreplace(self._ir_sizes(ir)))
+                body = [f"const int64_t v = {pr(x)};",
+                        (f"if (v < {lo} || v {'>' if d.hi_closed else '>='} {hi}) "
+                         f"domain_error(kOp, \"{d.tensor}\", {{{', '.join(pr(i) for i in x.indices)}}}, v, "
+                         f"\"{d.text}\", {lo}, {hi});")]
+                if gathered and mask is not sp.true:
+                    body.insert(0, f"if (!{pr(mask)}) continue;")
+                ind = ""
+                lines = []
+                for n in loop:
+                    lines.append(f"{ind}for (int64_t ix_{n} = 0; ix_{n} < {pr(ir.extents[n])}; ++ix_{n}) {{")
+                    ind += "  "
+                lines += [ind + b for b in body] if loop else ["{"] + ["  " + b for b in body]
+                lines += ["}"] if not loop else ["  " * (len(loop) - 1 - i) + "}" for i in range(len(loop))]
+                out += lines
+        return out
+
+    def _ir_sizes(self, ir) -> dict:
+        return {s: (ir.axes.get(n) or ir.scalars.get(n)) for n, s in self.sizes.items()
+                if (ir.axes.get(n) or ir.scalars.get(n)) is not None}
+
     def out_dtype(self, dtype: str) -> str:
         spec = self.spec
         if dtype in SCALAR_TYPES:
@@ -261,6 +497,7 @@ def glue_source(spec: OpSpec, an: OpAnalysis, header_name: str, cuda: CudaGlue |
     sig = ", ".join(cpp_param(a) for a in spec.args)
     outs = ", ".join(f"c.{o.name}" for o in spec.outputs)
     ret = f"return {{{outs}}};" if len(spec.outputs) > 1 else f"return c.{spec.outputs[0].name};"
+    doms = [d.tensor for d in value_domains(spec)]
     L = [
         f"// Generated by redfuser-ops generator {version} from {spec.file}; do not edit.",
         f"// Op glue for {spec.name}: schema, checks, outputs, CPU and CUDA registration.",
@@ -305,8 +542,11 @@ def glue_source(spec: OpSpec, an: OpAnalysis, header_name: str, cuda: CudaGlue |
         "",
         *g.prepare(cuda_dtypes),
         "",
+        *g.domain_check(),
+        "",
         f"{return_type(spec)} impl_cpu({sig}) {{",
         f"  Call c = prepare({names}, DeviceKind::CPU);",
+        *([f"  check_value_domains(c.A, {', '.join(doms)});"] if doms else []),
         "  // floating inputs reach the CPU kernels as float32 with a unit last-dimension stride (so that the",
         "  // kernels' inner loops vectorise): other ones are converted (copied) once here",
         "  std::vector<Tensor> keep;",
@@ -320,6 +560,9 @@ def glue_source(spec: OpSpec, an: OpAnalysis, header_name: str, cuda: CudaGlue |
         L += [
             f"{return_type(spec)} impl_cuda({sig}) {{",
             f"  Call c = prepare({names}, DeviceKind::CUDA);",
+            # checking values on CUDA reads device memory (a host sync): only when the user asked for it
+            *([(f"  if (redfuser::check_inputs_enabled()) check_value_domains(c.A, "
+                f"{', '.join(f'host_copy({d})' for d in doms)});")] if doms else []),
             *["  " + x for x in cuda.body],
             f"  {ret}",
             "}",

@@ -11,7 +11,7 @@ import sympy as sp
 from ..explain import _Printer
 from ..spec import OpSpec, ScalarArg, TensorArg
 from ..symbolic.forms import OpAnalysis
-from .glue import _default_text, axis_sources, schema
+from .glue import _default_text, axis_sources, ordered_checks, schema
 
 PY_TYPES = {"int": "int", "float": "float", "bool": "bool", "str": "str", "ScalarType": "torch.dtype"}
 TORCH_DTYPES = {
@@ -101,7 +101,6 @@ def _docstring(spec: OpSpec) -> list[str]:
 
 
 def python_module(spec: OpSpec, an: OpAnalysis, version: str) -> str:
-    ir = an.cases[0].ir
     sources = axis_sources(spec)
     names = [a.name for a in spec.args]
     first = spec.tensors[0].name
@@ -162,12 +161,11 @@ def python_module(spec: OpSpec, an: OpAnalysis, version: str) -> str:
             if t.optional:
                 L.append(f"    if {t.name} is not None:")
             L += checks
-    for ch, expr in zip(spec.checks, ir.checks):
-        if expr is sp.true:
-            continue
-        used = sorted({s.name for s in expr.free_symbols})
+    # the same checks as the C++ glue, in the same order (no divisor used before it is checked >= 1)
+    for chk in ordered_checks(spec):
+        used = sorted({s.name for s in chk.expr.free_symbols})
         vals = ", ".join(f"{n} = {{{n}}}" for n in used)
-        L.append(f"    torch._check({py(expr)}, lambda: f\"{{op}}: {ch.message} ({vals})\")")
+        L.append(f"    torch._check({py(chk.expr)}, lambda: f\"{{op}}: {chk.message} ({vals})\")")
     for a in spec.scalars:
         if a.type == "str":
             L.append(f"    torch._check({a.name} in {a.choices!r}, lambda: f\"{{op}}: {a.name} must be one of "

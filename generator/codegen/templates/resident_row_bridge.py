@@ -325,7 +325,6 @@ def row_body(spec: OpSpec, plan: Plan, lowered: dict[str, dict]) -> list[str]:
         "do {",
         f"  if ({names[ir_rows]} == 0) break;  // nothing to compute",
         f"  const ScalarType dt = {first}.scalar_type();",
-        "  bool launched = false;",
         "  // the kernel reads dense rows: other layouts are copied to a contiguous tensor first",
     ]
     t_args = {}
@@ -337,10 +336,18 @@ def row_body(spec: OpSpec, plan: Plan, lowered: dict[str, dict]) -> list[str]:
         else:
             L.append(f"  const Tensor {t.name}_c = torch::stable::contiguous({t.name});")
             t_args[t.name] = f"const_cast<void*>({t.name}_c.const_data_ptr())"
-    for o in spec.outputs:
-        t_args[o.name] = f"c.{o.name}.mutable_data_ptr()"
+    # launches over chunks of rows whose int32 offsets fit; the host offsets the per-row tensors' base pointers
+    per_row = [(f"{first}_c", first)] + [(f"c.{o.name}", o.name) for o in spec.outputs]
+    extents = ", ".join(f"{{\"{n}\", {x}.stride(0), redfuser::batch_extent({x})}}" for x, n in per_row)
+    L.append(f"  const int64_t rchunk = redfuser::batch_chunk(kOp, {names[ir_rows]}, {{{extents}}}, "
+             "std::numeric_limits<int32_t>::max());")
+    L.append(f"  for (int64_t r_launch0 = 0; r_launch0 < {names[ir_rows]}; r_launch0 += rchunk) {{")
+    L.append(f"  const int64_t n_launch_r = std::min(rchunk, {names[ir_rows]} - r_launch0);")
+    L.append("  bool launched = false;")
+    for x, n in per_row:
+        t_args[n] = f"redfuser::batch_ptr({x}, r_launch0)"
     args = {**t_args, **{k: v for k, v in names.items()}, ir_k: f"A.p_{ir_k}"}
-    args["num_tokens"] = names[ir_rows]
+    args[ir_rows] = args["num_tokens"] = "n_launch_r"
     caps_by = {}
     for fam, dtype, cap, sym, pre in plan.entries:  # type: ignore[attr-defined]
         caps_by.setdefault((fam, dtype), []).append((cap, sym, pre))
@@ -357,6 +364,7 @@ def row_body(spec: OpSpec, plan: Plan, lowered: dict[str, dict]) -> list[str]:
     L += [
         (f"  check(launched, kOp, \"no CUDA kernel for \", dtype_name(dt), \" with {ir_len} = \", {names[ir_len]}, "
          f"\" (the largest built is {max(c for _, _, c, _, _ in plan.entries)})\");"),  # type: ignore[attr-defined]
+        "  }",
         "} while (false);",
     ]
     return L

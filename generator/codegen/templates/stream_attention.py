@@ -711,6 +711,11 @@ def emit_attention_program(math: AttentionMath, cfg: AttentionConfig, symbol: st
         src(b, f"for i, d in T.Parallel({BM}, {D}):")
         src(b + 1, f"acc_o[i, d] = {render(math.out, omap, 'out')}")
         src(b, "T.copy(acc_o, O_shared)")
+        if uses_tma(cfg):
+            # every thread that wrote O_shared with generic stores fences them towards the async proxy before
+            # the barrier that precedes the TMA store (the PTX memory model; CUTLASS and FA3 do the same): the
+            # fence TileLang emits is the elected thread's only
+            src(b, "T.fence_proxy_async()")
         src(b, f"T.copy(O_shared, O[bz, q0:q0 + {BM}, by, :])")
         lmap = _final_mapping(plan)
         src(b, f"for i in T.Parallel({BM}):")

@@ -388,11 +388,12 @@ def attention_body(spec: OpSpec, plan: Plan, lowered: dict[str, dict]) -> list[s
         f"  const int64_t D = {sz['dim']};",
         (f"  check({' || '.join(f'D == {d}' for d in dims)}, kOp, \"on CUDA the head dim must be "
          f"{', '.join(map(str, dims))}, got \", D);"),
-        "  // the kernels read q/k/v through strides: last dim contiguous, other strides multiples of 8",
-        "  // elements, 16-byte aligned data; anything else is copied to a contiguous tensor first",
+        "  // the kernels read q/k/v through strides: last dim contiguous, other strides positive multiples of 8",
+        "  // elements (an expanded, stride-0 dim is no TMA layout), 16-byte aligned data; anything else is copied to a",
+        "  // contiguous tensor first. The batch stride may exceed int32: it only offsets base pointers on the host.",
         "  auto fits = [&](const Tensor& t) {",
         "    if (t.stride(3) != 1 || reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 != 0) return false;",
-        "    for (int d = 0; d < 3; ++d) if (t.stride(d) % 8 != 0 || t.stride(d) < 0 || t.stride(d) >= (int64_t(1) << 31)) return false;",
+        "    for (int d = 0; d < 3; ++d) if (t.stride(d) % 8 != 0 || t.stride(d) <= 0 || (d > 0 && t.stride(d) >= (int64_t(1) << 31))) return false;",
         "    return true;",
         "  };",
         "  auto dense_copy = [&](const Tensor& t) {  // a fresh (aligned, contiguous) copy",
@@ -403,7 +404,7 @@ def attention_body(spec: OpSpec, plan: Plan, lowered: dict[str, dict]) -> list[s
         f"  const Tensor qq = fits({q}) ? {q} : dense_copy({q});",
         f"  const Tensor kk = fits({k}) ? {k} : dense_copy({k});",
         f"  const Tensor vv = fits({v}) ? {v} : dense_copy({v});",
-        f"  for (int64_t s : {{{sz['batch']}, {sz['query']}, {sz['key']}, {sz['head']}, {sz['kv_head']}}})",
+        f"  for (int64_t s : {{{sz['query']}, {sz['key']}, {sz['head']}, {sz['kv_head']}}})",
         # with int arguments in the mask's bounds (each below 2**30), lengths below 2**30 keep the bounds in int32
         (f"    check(s < (int64_t(1) << {30 if r.int_params else 31}), kOp, \"sizes must be below 2^"
          f"{30 if r.int_params else 31} on CUDA\");"),
@@ -412,6 +413,17 @@ def attention_body(spec: OpSpec, plan: Plan, lowered: dict[str, dict]) -> list[s
         L.append(f"  check(A.p_{n} >= -(int64_t(1) << 30) && A.p_{n} < (int64_t(1) << 30), kOp, "
                  f"\"{n} must fit in int32 on CUDA, got \", A.p_{n});")
     L += [
+        (f"  check({sz['head']} <= 65535, kOp, \"on CUDA the query heads must be at most 65535 (a grid dimension), "
+         f"got \", {sz['head']});"),
+        "  // launches over chunks of batches: int32 offsets and the grid's batch dimension fit in each, and the host",
+        "  // offsets the base pointers by b_launch0 * batch stride in 64-bit arithmetic (redfuser::batch_chunk, batch_ptr)",
+        (f"  const int64_t bchunk = redfuser::batch_chunk(kOp, {sz['batch']}, {{{{\"{q}\", qq.stride(0), "
+         f"redfuser::batch_extent(qq)}}, {{\"{k}\", kk.stride(0), redfuser::batch_extent(kk)}}, "
+         f"{{\"{v}\", vv.stride(0), redfuser::batch_extent(vv)}}, "
+         f"{{\"{r.out}\", c.{r.out}.stride(0), redfuser::batch_extent(c.{r.out})}}, "
+         f"{{\"{r.lse}\", c.{r.lse}.stride(0), redfuser::batch_extent(c.{r.lse})}}}});"),
+        "  // one batch per launch never steps the batch stride: a small valid one is passed (TMA: > 0, 16-byte multiple)",
+        "  auto sbatch = [](const Tensor& t, int64_t n_launch_b) { return n_launch_b == 1 ? int64_t(8) : t.stride(0); };",
         "  const int32_t sms = redfuser::device_sm_count(kOp, ctx.device());",
         "  bool launched = false;",
     ]
@@ -419,25 +431,30 @@ def attention_body(spec: OpSpec, plan: Plan, lowered: dict[str, dict]) -> list[s
     params.update({f"iparam{i}": f"A.p_{n}" for i, n in enumerate(r.int_params)})
     for fam, dtype, D, conds, cfg, fwd, split, comb, unit, nst in plan.entries:  # type: ignore[attr-defined]
         cond = " && ".join([f'fam == "{fam}"', f"dt == {SCALAR_TYPES[dtype]}", f"D == {D}", *conds])
-        strides = {f"{t}_{s}": f"{x}.stride({d}) / {unit}" for t, x in (("q", "qq"), ("k", "kk"), ("v", "vv"))
+        strides = {f"{t}_{s}": (f"sbatch({x}, n_launch_b) / {unit}" if d == 0 else f"{x}.stride({d}) / {unit}")
+                   for t, x in (("q", "qq"), ("k", "kk"), ("v", "vv"))
                    for s, d in (("sb", 0), ("ss", 1), ("sh", 2))}
-        dims_ = {"batch": sz["batch"], "seqlen_q": sz["query"], "heads": sz["head"], "seqlen_k": sz["key"],
+        dims_ = {"batch": "n_launch_b", "seqlen_q": sz["query"], "heads": sz["head"], "seqlen_k": sz["key"],
                  "heads_kv": sz["kv_head"], "num_splits": "ns"}
-        ptrs = {"Q": "const_cast<void*>(qq.const_data_ptr())", "K": "const_cast<void*>(kk.const_data_ptr())",
-                "V": "const_cast<void*>(vv.const_data_ptr())",
-                "O": f"c.{r.out}.mutable_data_ptr()", "LSE": f"c.{r.lse}.mutable_data_ptr()",
+        ptrs = {"Q": "redfuser::batch_ptr(qq, b_launch0)", "K": "redfuser::batch_ptr(kk, b_launch0)",
+                "V": "redfuser::batch_ptr(vv, b_launch0)", "O": f"redfuser::batch_ptr(c.{r.out}, b_launch0)",
+                "LSE": f"redfuser::batch_ptr(c.{r.lse}, b_launch0)",
                 "Opart": "opart.mutable_data_ptr()", "Spart": "spart.mutable_data_ptr()"}
         args = {**strides, **dims_, **ptrs, **params}
         L += [
-            f"  if ({cond}) {{",
-            (f"    const int ns = choose_num_splits({sz['batch']}, {sz['head']}, {sz['query']}, {sz['key']}, "
+            f"  if ({cond}) for (int64_t b_launch0 = 0; b_launch0 < {sz['batch']}; b_launch0 += bchunk) {{",
+            f"    const int64_t n_launch_b = std::min(bchunk, {sz['batch']} - b_launch0);",
+            (f"    int ns = choose_num_splits(n_launch_b, {sz['head']}, {sz['query']}, {sz['key']}, "
              f"{cfg.block_m}, {cfg.block_n}, sms);"),
+            "    // the split workspace (ns, n_launch_b, Sq, H, D) is indexed with int32 too",
+            (f"    ns = static_cast<int>(std::min<int64_t>(ns, std::numeric_limits<int32_t>::max() / "
+             f"std::max<int64_t>(1, n_launch_b * {sz['query']} * {sz['head']} * {sz['dim']})));"),
             "    if (ns <= 1) {",
             f"      redfuser::launch(kV_{fwd}, ctx, [&](void* s) {{ return {launch_call(fwd, lowered[fwd]['params'], args)}; }});",
             "    } else {",
-            (f"      Tensor opart = torch::stable::new_empty(qq, {{ns, {sz['batch']}, {sz['query']}, {sz['head']}, "
+            (f"      Tensor opart = torch::stable::new_empty(qq, {{ns, n_launch_b, {sz['query']}, {sz['head']}, "
              f"{sz['dim']}}}, ScalarType::Float);"),
-            (f"      Tensor spart = torch::stable::new_empty(qq, {{{nst}, ns, {sz['batch']}, {sz['head']}, "
+            (f"      Tensor spart = torch::stable::new_empty(qq, {{{nst}, ns, n_launch_b, {sz['head']}, "
              f"{sz['query']}}}, ScalarType::Float);"),
             f"      redfuser::launch(kV_{split}, ctx, [&](void* s) {{ return {launch_call(split, lowered[split]['params'], args)}; }});",
             f"      redfuser::launch(kV_{comb}, ctx, [&](void* s) {{ return {launch_call(comb, lowered[comb]['params'], args)}; }});",
