@@ -264,3 +264,19 @@ def test_gemm_case_peers_and_check():
     bad = case.impls[0].fn(*inputs).clone()
     bad[0, 3] += 1.0
     assert not case.check("redfuser", bad, inputs)["ok"]
+
+
+def test_subset_table_comparison_checks_each_built_kernel():
+    """A subset build (CI) compares kernel by kernel: a changed or unknown kernel is a difference; committed rows
+    of variants the subset did not build are not."""
+    from bench.sass import _compare_subset
+
+    row = {"function": "k1", "arch": "sm_90a", "reg": 168, "local": 0, "counts": {"HGMMA": 16}}
+    other = dict(row, function="k2")
+    committed = {"kernels": [row, other]}
+    assert _compare_subset("sm90a", {"kernels": [row]}, committed) == []
+    spilled = dict(row, local=8)
+    assert "differs" in _compare_subset("sm90a", {"kernels": [spilled]}, committed)[0]
+    assert "not in the committed table" in _compare_subset("sm90a", {"kernels": [dict(row, function="k3")]},
+                                                           committed)[0]
+    assert _compare_subset("sm90a", {"kernels": []}, committed)

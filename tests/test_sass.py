@@ -22,6 +22,10 @@ from bench import sass
 from bench.sass_expect import CHECKED_FAMILIES, FAMILY_ARCHS
 
 CPU_ONLY = os.environ.get("REDFUSER_CPU_ONLY_BUILD", "") == "1"
+# a declared subset build (CI builds REDFUSER_CUDA_DTYPES=bfloat16: every template for every family): its kernels
+# must equal their rows in the committed tables of the full build; the rows of variants it did not build are not
+# required
+SUBSET = os.environ.get("REDFUSER_SUBSET_BUILD", "") == "1"
 
 
 @pytest.fixture(scope="module")
@@ -84,5 +88,5 @@ class TestCudaCode:
         assert not problems, "\n".join(problems)
 
     def test_tables_match_the_library(self, kernels):
-        diffs = sass.compare_tables(sass.tables(kernels))
+        diffs = sass.compare_tables(sass.tables(kernels), subset=SUBSET)
         assert not diffs, "\n".join(diffs)
