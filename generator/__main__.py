@@ -14,8 +14,8 @@ from pathlib import Path
 from .errors import FusionError, SpecError
 from .explain import explain
 from .spec import load_spec, spec_files
-from .symbolic.evaluate import self_check
 from .symbolic.forms import analyze
+from .symbolic.oracle import self_check
 
 ROOT = Path(__file__).resolve().parent.parent
 

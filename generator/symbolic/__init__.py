@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from ..errors import FusionError
 from ..spec import OpSpec
-from .evaluate import self_check
 from .forms import Analysis, OpAnalysis, analyze
+from .oracle import self_check
 
 
 def derive(spec: OpSpec, verify: bool = True, seed: int = 0, trials: int = 2) -> OpAnalysis:
