@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("check", help="analyse and numerically self-check specs")
     p.add_argument("specs", nargs="*")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--trials", type=int, default=2)
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser("emit", help="generate sources for the build")
     p.add_argument("--out", required=True)

@@ -200,7 +200,7 @@ class Evaluator:
             return NA.scalar(math.inf)
         if expr is sp.S.NegativeInfinity:
             return NA.scalar(-math.inf)
-        if expr is sp.nan:
+        if expr is sp.nan or expr is sp.zoo:  # zoo: sympy's log(0), 1/0; undefined here
             return NA.scalar(math.nan)
         if isinstance(expr, sp.Indexed):
             return self._read(expr, env)

@@ -242,6 +242,9 @@ def _numeric_at(expr: sp.Expr, values: dict[sp.Symbol, float]) -> float:
             return math.nan
 
 
+UNREACHABLE = "unreachable"  # _reached_only_empty: no prefix takes the state to the point (no guard needed)
+
+
 def _implies(a: Any, b: Any) -> bool:
     """The predicate a implies b, syntactically: b is true, equal to a, or made of conjuncts of a."""
     if b in (sp.true, True) or a == b:
@@ -455,6 +458,8 @@ class _Analyzer:
                 for p in pts:
                     before = len(self.undefined)
                     unsound = self._reached_only_empty(r, d, p)
+                    if unsound == UNREACHABLE:
+                        continue
                     if unsound:
                         return Refusal("invertible", f"H = {dec.H} is not finite/non-zero at {d} = {p.point}, "
                                        f"and {unsound}")
@@ -490,7 +495,7 @@ class _Analyzer:
                 if len(atoms) > 1:
                     return f"cannot tell whether {b} can be {point} (it reads {len(atoms)} element values)"
                 if not any(v == float(point) for v in finite_probe) and not (not atoms and b.is_infinite):
-                    return None  # no element value makes a term infinite: the sum stays finite
+                    return UNREACHABLE  # no element value makes a term infinite: the sum stays finite
                 if self._undefined_there(r, d, b, atoms, point, probes):
                     return None
                 return (f"{d} = sum({b}) is {point} once one element's term is (overflow or an infinite entry), "
@@ -508,18 +513,19 @@ class _Analyzer:
                     if self._undefined_there(r, d, b, atoms, point, probes):
                         return None
                     return f"{d} = {dep.op}({b}) is {point} once one element is, whatever the others are"
-                return None
+                return UNREACHABLE
             elif (be - pe).is_nonnegative:
                 target = point
             elif (be - pe).is_nonpositive:
                 if any(v == float(point) for v in finite_probe) or _value_can_be(b, atoms, point):
                     return f"{d} = {dep.op}({b}) is {point} once one element is, whatever the others are"
-                return None
+                return UNREACHABLE
             else:
                 return f"{d} = {dep.op}({b}) passes through {point} on prefixes of elements of either sign"
         # every element of such a prefix has b = target: find them, and what they contribute to r
+        empty = UNREACHABLE if point != MONOIDS[dep.op].neutral else None  # the empty prefix is at the neutral value
         if not atoms:
-            return None if (b - target).is_zero is False else f"every element makes {d} = {point}"
+            return empty if (b - target).is_zero is False else f"every element makes {d} = {point}"
         if len(atoms) != 1:
             return f"cannot tell which elements make {d} = {point} (its body reads {len(atoms)} element values)"
         a = atoms[0]
@@ -532,12 +538,15 @@ class _Analyzer:
                 if val not in sols:
                     sols.append(val)
         if not sols:
-            return None  # no element makes the state reach the point: only the empty prefix does
+            return empty  # no element makes the state reach the point: only the empty prefix can
+        sols.sort(key=lambda v: (bool(v.is_infinite), str(v)))  # finite ones first: the floating-point cases
         new = {ir.states[x]: self.syms[x]["new_r"] for x in r.deps if x in ir.states}
         safe = {self.syms[d]["new_r"]: gp.safe}
         term = strip_casts(r.body).xreplace(new)
         neutral = MONOIDS[r.op].neutral
         for x in sols:
+            if _value_at(r.where, {a: x}) in (sp.false, False):
+                continue  # r does not count such an element (e.g. where=x > -1e30 and x = -inf)
             try:
                 v = term.xreplace({a: x})
                 ok = neutral_everywhere(v, neutral) and neutral_everywhere(v.xreplace(safe), neutral)
