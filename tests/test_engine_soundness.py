@@ -162,3 +162,49 @@ def test_entropy_with_a_where_that_excludes_minus_inf_is_accepted():
                     "h": "sum(exp(x[t, e] - m) * x[t, e], where=x[t, e] > -1e30)"}, {"h": "h", "l": "l"})
     rows = [problem([-np.inf, 1.0, 2.0]), problem([0.5, -np.inf, -3.0]), problem([3.0, 3.0, -np.inf])]
     assert rejected_or_right(text, rows, cut=1) == "right"
+
+
+def test_a_growing_correction_that_overflows_is_rejected():
+    """Found by the property test: r1: min(-x), r2: sum(exp(x - r1), where=x > 0). The correction exp(r1_old -
+    r1_new) grows as the min falls; on x = [1000, ...] it overflows and 0 * inf = nan where the math gives inf."""
+    text = cascade({"r1": "min(-(x[t, e]))", "r2": "sum(exp(x[t, e] - r1), where=x[t, e] > 0)"}, {"r2": "r2"})
+    verdict = rejected_or_right(text, [problem([-1.0, 1000.0, 2.0]), problem([3.0, -800.0, 800.0])])
+    assert verdict.startswith("rejected: invertible") and "overflows" in verdict, verdict
+
+
+@pytest.mark.parametrize(
+    "edit, where, message",
+    [
+        (("  B: batch", "  B: [batch"), (7, "axes.B"), "invalid YAML"),
+        (("    m: max(s)", "    m: max(s)\n    m: max(s)"), (35, "cascade.reduce.m"), "duplicate key"),
+        (("    m: max(s)", "    m: max(s)\n    zz: sum('abc')"), (35, "cascade.reduce.zz"), "is not a number here"),
+        (("o: sum(exp(s - m) * v[b, j, g, d])", "o: sum(exp(s - m) / 0)"), (36, "cascade.reduce.o"),
+         "division by zero"),
+        (("m: max(s)", "m: max(s, where=q[b, i, h, 0])"), (34, "cascade.reduce.m"), "where= is a condition"),
+        (("    m: max(s)", "    m: max(s)\n    tk: topk(s, 2.5)"), (35, "cascade.reduce.tk"), "integer expression"),
+        (("dtype: float32, index: [b, h, i]", "dtype: float99, index: [b, h, i]"), (24, "outputs.lse.dtype"),
+         "unknown dtype 'float99'"),
+    ],
+)
+def test_spec_errors_give_file_line_and_dotted_key(edit, where, message):
+    from pathlib import Path
+
+    from generator.errors import SpecError
+
+    text = (Path(__file__).resolve().parents[1] / "specs" / "fused_attention.yaml").read_text()
+    assert edit[0] in text
+    with pytest.raises(SpecError) as exc:
+        analyze(parse_spec(text.replace(edit[0], edit[1], 1), "broken.yaml"))
+    assert (exc.value.loc.file, exc.value.loc.line, exc.value.loc.key) == ("broken.yaml", *where)
+    assert message in exc.value.message
+
+
+def test_empty_spec_and_args_as_a_list():
+    from generator.errors import SpecError
+
+    with pytest.raises(SpecError) as exc:
+        parse_spec("", "empty.yaml")
+    assert str(exc.value).startswith("empty.yaml:1: (top level): the spec is empty")
+    with pytest.raises(SpecError) as exc:
+        parse_spec("op: a\nargs:\n  - x\noutputs: {}\ncascade: {}\n", "list.yaml")
+    assert str(exc.value) == "list.yaml:3: args: expected a mapping, got a list"

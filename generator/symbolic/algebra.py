@@ -211,9 +211,9 @@ def _numeric_identity(
     checked = 0
     for _ in range(trials):
         vals = {s: sample_value(s, rng) for s in syms}
-        for d in deps:
-            vals[old[d]] = sample_value(d, rng)
-            vals[new[d]] = sample_value(d, rng)
+        for d in deps:  # states at their regular values (old/new carry those assumptions: an abs-max is >= 0)
+            vals[old[d]] = sample_value(old[d], rng)
+            vals[new[d]] = sample_value(new[d], rng)
         args_new = [vals[s] for s in syms]
         args_old = list(args_new)
         for d in deps:
@@ -426,6 +426,47 @@ def probe_body(body: sp.Expr, atom: sp.Basic, rng: random.Random, combos: int = 
     return out
 
 
+def correction_overflows(c: sp.Expr, moves: list[tuple[sp.Symbol, sp.Symbol, int]],
+                         rng: random.Random, trials: int = 200) -> tuple[float, float] | None:
+    """A multiplicative correction c(old -> new) that overflows to +-inf in float64 for states that move as they
+    can (moves: (old, new, direction), +1: new >= old as for a max or a sum of non-negative terms, -1: new <= old,
+    0: either way), e.g. exp(m_old - m_new) for a min m. Such a correction turns a state 0 into nan and a finite
+    state into inf where the plain math is finite. Returns an (old, new) pair where it does, else None."""
+    import numpy as np
+
+    values = (-1000.0, -800.0, -3.0, -1.0, 0.0, 1.0, 3.0, 800.0, 1000.0)
+    movers = {o for o, _, _ in moves} | {n for _, n, _ in moves}
+    others = sorted(c.free_symbols - movers, key=str)
+    syms = [x for o, n, _ in moves for x in (o, n)] + others
+    fresh = {x: sp.Dummy(f"c{k}", real=True) for k, x in enumerate(syms)}
+    f = sp.lambdify(list(fresh.values()), c.xreplace(fresh), modules=["numpy"])
+
+    def allowed(sym: sp.Symbol, v: float) -> bool:
+        return not ((sym.is_positive and v <= 0) or (sym.is_nonnegative and v < 0))
+
+    with np.errstate(all="ignore"):
+        for _ in range(trials):
+            args = []
+            pair = None
+            for o, n, direction in moves:
+                a, b = rng.choice(values), rng.choice(values)
+                if direction * (b - a) < 0:
+                    a, b = b, a
+                if not (allowed(o, a) and allowed(n, b)):
+                    break
+                args += [a, b]
+                pair = pair or (a, b)
+            else:
+                args += [rng.choice(_sample_values(x)) for x in others]
+                try:
+                    v = complex(f(*[np.float64(x) for x in args]))
+                except (ValueError, ZeroDivisionError, OverflowError, TypeError):
+                    continue
+                if v.imag == 0 and math.isinf(v.real):
+                    return pair
+    return None
+
+
 def neutral_everywhere(term: sp.Expr, neutral: sp.Expr) -> bool:
     """term equals the neutral element for every value of its symbols (as sympy proves it with their assumptions):
     a check at one generic point is not a proof."""
@@ -445,6 +486,7 @@ __all__ = [
     "Monoid",
     "Refusal",
     "apply",
+    "correction_overflows",
     "decompose",
     "degenerate_points",
     "distributes",

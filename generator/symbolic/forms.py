@@ -26,6 +26,7 @@ from .algebra import (
     Decomposition,
     GuardPoint,
     Refusal,
+    correction_overflows,
     decompose,
     degenerate_points,
     distributes,
@@ -421,6 +422,15 @@ class _Analyzer:
             if isinstance(pdec, Refusal):
                 return Refusal("decomposable", f"payload {pname} = {pexpr}: {pdec.detail}")
             payloads.append((pname, pexpr, pdec))
+        for dd in [dec] + [p[2] for p in payloads]:
+            if dd.kind == "*":
+                moves = [(old[self.ir.states[x]], new[self.ir.states[x]], self._direction(x)) for x in online
+                         if dd.correction.has(old[self.ir.states[x]])]
+                bad = correction_overflows(dd.correction, moves, self.rng) if moves else None
+                if bad is not None:
+                    return Refusal("invertible", f"the correction {dd.correction} overflows to inf in floating point "
+                                   f"as the states move (e.g. from {bad[0]} to {bad[1]}): a state of 0 becomes nan "
+                                   "and a finite one inf")
         inv = self._invertible(r, online, [dec] + [p[2] for p in payloads])
         if isinstance(inv, Refusal):
             return inv
@@ -434,6 +444,16 @@ class _Analyzer:
                                    pd.correction.xreplace(to_values)) for n, e, pd in payloads),
             conditions=tuple(conditions), loc=r.loc,
         )
+
+    def _direction(self, d: str) -> int:
+        """How a state moves as elements come: +1 up (a max, a sum of non-negative terms), -1 down (a min, a sum
+        of non-positive terms), 0 either way."""
+        dep = self.ir.reduction(d)
+        if dep.op in ("max", "min"):
+            return 1 if dep.op == "max" else -1
+        regular = {self.ir.states[x]: self.syms[x]["new_r"] for x in dep.deps if x in self.ir.states}
+        b = strip_casts(dep.body).xreplace(regular)
+        return 1 if b.is_nonnegative else (-1 if b.is_nonpositive else 0)
 
     def _invertible(self, r: Reduction, online: list[str], decs: list[Decomposition]) -> Condition | Refusal:
         details = []
