@@ -1,12 +1,13 @@
-"""Numeric interpretation of a cascade in float64 with numpy: direct (unfused), online (chunked) and merged.
+"""Numeric interpretation of the derived forms in float64 with numpy: online (chunked) and merged.
 
 Used by the engine's self-check and by the tests: the online form run chunk by chunk, and the merge form over
-random segment splits, must reproduce the direct evaluation of the unfused cascade.
+random segment splits, must reproduce the plain unfused math, which oracle.py computes without any of the
+engine's guards or mask values (the epilogue reductions here run directly, on the final states).
 
 Arrays carry named dimensions (one per index: rows, the cascade axis, free indices, a top-k's entries), so that
-sympy expressions evaluate by broadcasting. Semantics shared by all three evaluations:
+sympy expressions evaluate by broadcasting. Semantics of the engine's forms:
 - an element is counted when the cascade mask and the reduction's `where` hold; an element whose value is the
-  cascade's mask value (e.g. a score of -inf) is not counted by non-selection reductions (it is neutral);
+  cascade's mask value (e.g. a score of -inf) is not counted by non-selection reductions (proved neutral);
 - selections order elements by (counted first, larger key first, NaN keys last, lower index first).
 Rounding casts are the identity here (exact arithmetic).
 """
@@ -583,17 +584,6 @@ def _concat(a: NA, b: NA, dim: str, new: str) -> NA:
 
 
 # --------------------------------------------------------------------------------------------- entry points
-def evaluate_direct(analysis: Analysis, problem: Problem) -> dict[str, np.ndarray]:
-    """The unfused cascade: every reduction over the whole axis with the final values of what it reads."""
-    run = _Run(analysis, problem)
-    for p in analysis.passes:
-        for f in analysis.reductions:
-            if f.stage == "stream" and f.pass_no == p.number:
-                run.final[f.name] = run.direct(f)
-        run.epilogues(p.number)
-    return run.outputs()
-
-
 def random_bounds(n: int, rng: random.Random, min_chunk: int = 1, max_chunk: int | None = None) -> list[int]:
     bounds = [0]
     max_chunk = max_chunk or max(1, n)
@@ -658,7 +648,6 @@ __all__ = [
     "Loc",
     "Problem",
     "compare",
-    "evaluate_direct",
     "evaluate_merged",
     "evaluate_online",
     "random_bounds",
