@@ -622,32 +622,11 @@ def evaluate_merged(analysis: Analysis, problem: Problem, rng: random.Random, se
     return run.outputs()
 
 
-def compare(ref: dict[str, np.ndarray], got: dict[str, np.ndarray], rtol: float = 1e-12) -> list[str]:
-    """Problems found: non-finite positions differ, or relative error over the finite values above rtol."""
-    problems = []
-    for name, r in ref.items():
-        g = got[name]
-        if r.shape != g.shape:
-            problems.append(f"{name}: shape {g.shape} != {r.shape}")
-            continue
-        fin_r, fin_g = np.isfinite(r), np.isfinite(g)
-        if not np.array_equal(fin_r, fin_g) or not np.array_equal(r[~fin_r], g[~fin_g], equal_nan=True):
-            problems.append(f"{name}: non-finite values differ ({int((~fin_r).sum())} vs {int((~fin_g).sum())})")
-            continue
-        if fin_r.any():
-            scale = max(1.0, float(np.max(np.abs(r[fin_r]))))
-            err = float(np.max(np.abs(r[fin_r] - g[fin_r]))) / scale
-            if err > rtol:
-                problems.append(f"{name}: relative error {err:.3e} > {rtol:.0e}")
-    return problems
-
-
 __all__ = [
     "NA",
     "Evaluator",
     "Loc",
     "Problem",
-    "compare",
     "evaluate_merged",
     "evaluate_online",
     "random_bounds",
