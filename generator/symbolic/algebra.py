@@ -60,6 +60,13 @@ def _lambdify(symbols: list[sp.Symbol], expr: sp.Expr) -> Callable[..., float]:
     return sp.lambdify(symbols, expr, modules=[{"sigmoid": lambda x: 1.0 / (1.0 + math.exp(-x))}, "math"])
 
 
+def np_lambdify(symbols: list[sp.Basic], expr: sp.Expr) -> Callable[..., Any]:
+    """expr as a numpy float64 function (overflow gives inf, 0/0 nan: the arithmetic of the kernels)."""
+    import numpy as np
+
+    return sp.lambdify(symbols, strip_casts(expr), modules=[{"sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x))}, "numpy"])
+
+
 def sample_value(sym: sp.Basic, rng: random.Random) -> float:
     """A random value that respects a symbol's assumptions."""
     if getattr(sym, "is_integer", False):
@@ -410,7 +417,7 @@ def probe_body(body: sp.Expr, atom: sp.Basic, rng: random.Random, combos: int = 
     b = b.xreplace(fresh)
     import numpy as np
 
-    f = sp.lambdify([a, *fresh.values()], b, modules=[{"sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x))}, "numpy"])
+    f = np_lambdify([a, *fresh.values()], b)
     grids = [_sample_values(o) if isinstance(o, sp.Symbol) else (-800.0, -1.0, 0.0, 1.0, 800.0) for o in others]
     points = [tuple(rng.choice(g) for g in grids) for _ in range(combos)] if others else [()]
     out = []
@@ -419,7 +426,7 @@ def probe_body(body: sp.Expr, atom: sp.Basic, rng: random.Random, combos: int = 
             for pt in points:
                 try:
                     v = complex(f(np.float64(x), *[np.float64(c) for c in pt]))
-                except (ValueError, ZeroDivisionError, OverflowError, TypeError):
+                except (ValueError, ZeroDivisionError, OverflowError, TypeError, NameError):
                     continue
                 if v.imag == 0:
                     out.append((x, v.real))
@@ -439,7 +446,7 @@ def correction_overflows(c: sp.Expr, moves: list[tuple[sp.Symbol, sp.Symbol, int
     others = sorted(c.free_symbols - movers, key=str)
     syms = [x for o, n, _ in moves for x in (o, n)] + others
     fresh = {x: sp.Dummy(f"c{k}", real=True) for k, x in enumerate(syms)}
-    f = sp.lambdify(list(fresh.values()), c.xreplace(fresh), modules=["numpy"])
+    f = np_lambdify(list(fresh.values()), c.xreplace(fresh))
 
     def allowed(sym: sp.Symbol, v: float) -> bool:
         return not ((sym.is_positive and v <= 0) or (sym.is_nonnegative and v < 0))
@@ -460,7 +467,7 @@ def correction_overflows(c: sp.Expr, moves: list[tuple[sp.Symbol, sp.Symbol, int
                 args += [rng.choice(_sample_values(x)) for x in others]
                 try:
                     v = complex(f(*[np.float64(x) for x in args]))
-                except (ValueError, ZeroDivisionError, OverflowError, TypeError):
+                except (ValueError, ZeroDivisionError, OverflowError, TypeError, NameError):
                     continue
                 if v.imag == 0 and math.isinf(v.real):
                     return pair
