@@ -208,3 +208,12 @@ def test_empty_spec_and_args_as_a_list():
     with pytest.raises(SpecError) as exc:
         parse_spec("op: a\nargs:\n  - x\noutputs: {}\ncascade: {}\n", "list.yaml")
     assert str(exc.value) == "list.yaml:3: args: expected a mapping, got a list"
+
+
+def test_a_state_that_is_nan_does_not_corrupt_a_sum_that_counted_nothing():
+    """Found by the property test: r0: max((x - 0.5) / (1 + |x|)) is nan at x = -inf (-inf / inf); r1: sum(exp(0.5 -
+    r0), where=v < x) is 0 in the plain math when it counts nothing, but its correction exp(r0_old - r0_new) is nan."""
+    text = cascade({"r0": "max((x[t, e] - 0.5) / (1 + abs(x[t, e])))", "r1": "sum(exp(0.5 - r0), where=v[t, e] < x[t, e])"},
+                   {"r1": "r1"})
+    verdict = rejected_or_right(text, [problem([-np.inf, 1.0, 2.0], [5.0, 5.0, 5.0])])
+    assert verdict.startswith("rejected: invertible") and "nan" in verdict, verdict

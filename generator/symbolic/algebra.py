@@ -474,6 +474,29 @@ def correction_overflows(c: sp.Expr, moves: list[tuple[sp.Symbol, sp.Symbol, int
     return None
 
 
+def nan_point(body: sp.Expr, atoms: list[sp.Basic], rng: random.Random, trials: int = 80) -> dict | None:
+    """Element values (from PROBE, -inf included) at which the body is nan in float64 (e.g. (x - 1)/(1 + |x|) at
+    x = -inf), with the other symbols at sampled values; None when none was found."""
+    import numpy as np
+
+    b = strip_casts(body)
+    others = sorted(b.free_symbols - set(atoms), key=str) + sorted(set(b.atoms(sp.Indexed)) - set(atoms), key=str)
+    syms = list(atoms) + others
+    fresh = {x: sp.Dummy(f"n{k}", real=True) for k, x in enumerate(syms)}
+    f = np_lambdify(list(fresh.values()), b.xreplace(fresh))
+    with np.errstate(all="ignore"):
+        for _ in range(trials):
+            vals = [rng.choice(PROBE) for _ in atoms] + [
+                rng.choice(_sample_values(x) if isinstance(x, sp.Symbol) else (-1.0, 0.0, 1.0)) for x in others]
+            try:
+                v = complex(f(*[np.float64(x) for x in vals]))
+            except (ValueError, ZeroDivisionError, OverflowError, TypeError, NameError):
+                continue
+            if math.isnan(v.real):
+                return {a: vals[k] for k, a in enumerate(atoms)}
+    return None
+
+
 def neutral_everywhere(term: sp.Expr, neutral: sp.Expr) -> bool:
     """term equals the neutral element for every value of its symbols (as sympy proves it with their assumptions):
     a check at one generic point is not a proof."""
@@ -497,6 +520,7 @@ __all__ = [
     "decompose",
     "degenerate_points",
     "distributes",
+    "nan_point",
     "neutral_everywhere",
     "other_singular_points",
     "probe_body",

@@ -30,6 +30,7 @@ from .algebra import (
     decompose,
     degenerate_points,
     distributes,
+    nan_point,
     neutral_everywhere,
     other_singular_points,
     probe_body,
@@ -422,6 +423,16 @@ class _Analyzer:
             if isinstance(pdec, Refusal):
                 return Refusal("decomposable", f"payload {pname} = {pexpr}: {pdec.detail}")
             payloads.append((pname, pexpr, pdec))
+        for x in online:  # a state that is nan makes every correction nan, also of a sum that counted nothing
+            if any(dd.kind != "none" and dd.correction.has(old[self.ir.states[x]]) for dd in [dec] + [p[2] for p in payloads]):
+                dep = self.ir.reduction(x)
+                b = strip_casts(dep.body).xreplace({self.ir.states[y]: self.syms[y]["new_r"] for y in dep.deps
+                                                    if y in self.ir.states})
+                at = nan_point(b, element_atoms(self.ir, b, outermost=True), self.rng)
+                if at is not None:
+                    shown = ", ".join(f"{k} = {v}" for k, v in at.items())
+                    return Refusal("invertible", f"the body {b} of '{x}' is nan at {shown}, which makes '{x}' nan "
+                                   f"and the correction of '{r.name}' nan even where '{r.name}' counts no element")
         for dd in [dec] + [p[2] for p in payloads]:
             if dd.kind == "*":
                 moves = [(old[self.ir.states[x]], new[self.ir.states[x]], self._direction(x)) for x in online
