@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from generator.errors import FusionError
+from generator.errors import FusionError, SpecError
 from generator.spec import parse_spec
 from generator.symbolic.forms import analyze
 from generator.symbolic.oracle import adversarial_problem, check_forms, random_problem
@@ -33,6 +33,13 @@ OPS = ["sum", "max", "min", "topk"]
 WHERE = ["x[t, e] > 0", "y[t, e] != 0", "x[t, e] > -1", "y[t, e] < x[t, e]"]
 
 STATS = {"cascades": 0, "accepted": 0, "rejected": 0, "problems": 0, "rows": 0}
+STATS_FILE = os.environ.get("ENGINE_STATS_FILE")  # long runs: the counts so far, rewritten after every cascade
+
+
+def _record() -> None:
+    if STATS_FILE:
+        with open(STATS_FILE, "w") as fh:
+            fh.write(f"ENGINE_SEED={SEED} ENGINE_EXAMPLES={BUDGET}: " + ", ".join(f"{k} {v}" for k, v in STATS.items()))
 
 
 @st.composite
@@ -110,12 +117,17 @@ def announce(request):
 @given(text=cascade(), row_seed=st.integers(0, 10**6))
 def test_random_cascades_are_rejected_or_match_the_plain_math(text, row_seed):
     STATS["cascades"] += 1
+    _record()
     spec = parse_spec(text, "random.yaml")
     try:
         op = analyze(spec)
     except FusionError as exc:
         STATS["rejected"] += 1
         assert exc.reduction and exc.condition and exc.detail  # a precise reason
+        return
+    except SpecError as exc:  # e.g. a division by a literal zero
+        STATS["rejected"] += 1
+        assert exc.loc.line > 0 and exc.loc.key.startswith("cascade.reduce.") and exc.message
         return
     STATS["accepted"] += 1
     case = op.cases[0]
