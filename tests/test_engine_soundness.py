@@ -217,3 +217,12 @@ def test_a_state_that_is_nan_does_not_corrupt_a_sum_that_counted_nothing():
                    {"r1": "r1"})
     verdict = rejected_or_right(text, [problem([-np.inf, 1.0, 2.0], [5.0, 5.0, 5.0])])
     assert verdict.startswith("rejected: invertible") and "nan" in verdict, verdict
+
+
+def test_a_sum_of_a_constant_term_that_overflows():
+    """Found by the property test: with two passes r1: sum(exp(0.5 - r0)) reads the final r0 and overflows for
+    r0 = -1000; r2: min(r1 * r0) would correct by r1_new / r1_old = inf / inf."""
+    text = cascade({"r0": "sum(x[t, e])", "r1": "sum(exp(0.5 - r0))", "r2": "min(r1 * r0)"}, {"r2": "r2"})
+    text = text.replace('    r2: "min(r1 * r0)"\n', '    r2: "min(r1 * r0)"\n  passes: 2\n')
+    verdict = rejected_or_right(text, [problem([-1000.0, 1.0]), problem([-np.inf, 1.0]), problem([3.0, -2.0])])
+    assert verdict.startswith("rejected: invertible"), verdict
