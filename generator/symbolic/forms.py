@@ -256,6 +256,15 @@ def _implies(a: Any, b: Any) -> bool:
     return conj_b <= conj_a
 
 
+def _neutral_at(f: ReductionForm, atom: sp.Basic, value: sp.Expr) -> bool:
+    """The streamed term of f is neutral at atom = value for every value of its other symbols (False where sympy
+    cannot even substitute, e.g. max(nan, ...))."""
+    try:
+        return neutral_everywhere(strip_casts(f.term).xreplace({atom: value}), f.neutral)
+    except (ValueError, TypeError, ZeroDivisionError):
+        return False
+
+
 def _solutions(b: sp.Expr, a: sp.Basic, target: sp.Expr) -> list[sp.Expr] | None:
     """Real element values with b = target (infinite ones by substitution); None when sympy cannot solve."""
     if target.is_infinite:
@@ -710,7 +719,7 @@ class _Analyzer:
                 continue
             for cand in (sp.S.NegativeInfinity, sp.Integer(0), sp.oo):
                 # neutral for every value of the states and row constants, not at one generic point
-                ok = all(neutral_everywhere(strip_casts(f.term).xreplace({atom: cand}), f.neutral) for f in streamed)
+                ok = all(_neutral_at(f, atom, cand) for f in streamed)
                 if ok:
                     out[atom] = cand
                     break
