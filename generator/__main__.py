@@ -16,8 +16,8 @@ from .codegen.emit import emitter_problems
 from .errors import FusionError, SpecError
 from .explain import explain
 from .spec import load_spec, spec_files
-from .symbolic.evaluate import self_check
 from .symbolic.forms import analyze
+from .symbolic.oracle import self_check
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("check", help="analyse and numerically self-check specs")
     p.add_argument("specs", nargs="*")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--trials", type=int, default=2)
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser("emit", help="generate sources for the build")
     p.add_argument("--out", required=True)

@@ -40,7 +40,43 @@ class _List(list):
 
 
 class _Loader(yaml.SafeLoader):
-    pass
+    text = ""
+
+
+def key_path(text: str, line: int) -> str:
+    """The dotted key path of the YAML block entry at a 1-based line (indentation-based: the keys of the lines
+    above with less indentation), e.g. 'cascade.reduce.m'."""
+    lines = text.splitlines()
+    if not 1 <= line <= len(lines):
+        return "(top level)"
+    path: list[str] = []
+    indent = None
+    for raw in reversed(lines[:line]):
+        body = raw.split("#", 1)[0].rstrip()
+        stripped = body.lstrip(" -")
+        if not stripped or ":" not in stripped:
+            continue
+        ind = len(body) - len(stripped)
+        if indent is None or ind < indent:
+            key = stripped.split(":", 1)[0].strip().strip("'\"")
+            if key and " " not in key and "{" not in key:
+                path.append(key)
+            indent = ind
+            if ind == 0:
+                break
+    return ".".join(reversed(path)) or "(top level)"
+
+
+def _kind(node: Any) -> str:
+    if node is None:
+        return "nothing"
+    if isinstance(node, dict):
+        return "a mapping"
+    if isinstance(node, list):
+        return "a list"
+    if isinstance(node, str):
+        return f"the text '{node}'"
+    return f"the {type(node).__name__} {node!r}"
 
 
 def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> _Node:
@@ -50,7 +86,8 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> _Node:
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=True)
         if key in out:
-            raise SpecError(Loc(loader.name, key_node.start_mark.line + 1, str(key)), "duplicate key")
+            line = key_node.start_mark.line + 1
+            raise SpecError(Loc(loader.name, line, key_path(loader.text, line)), "duplicate key")
         out[key] = loader.construct_object(value_node, deep=True)
         out.lines[key] = key_node.start_mark.line + 1
     return out
@@ -82,7 +119,8 @@ class _Ctx:
 
     def mapping(self, node: Any, path: str, required: tuple = (), optional: tuple = ()) -> dict:
         if not isinstance(node, dict):
-            raise SpecError(self.at(node, path), f"expected a mapping, got {type(node).__name__}")
+            where = self.at(node, path) if path else Loc(self.file, max(1, getattr(node, "line", 1)), "(top level)")
+            raise SpecError(where, f"expected a mapping, got {_kind(node)}")
         allowed = set(required) | set(optional)
         for key in node:
             if allowed and key not in allowed:
@@ -356,7 +394,7 @@ def _checks(ctx: _Ctx, node: Any) -> tuple[Check, ...]:
     return tuple(out)
 
 
-def _outputs(ctx: _Ctx, node: Any, axes: set[str], scalars: set[str]) -> tuple[Output, ...]:
+def _outputs(ctx: _Ctx, node: Any, axes: set[str], scalars: set[str], arg_names: set[str]) -> tuple[Output, ...]:
     ctx.mapping(node, "outputs")
     out = []
     for name, entry in node.items():
@@ -369,7 +407,12 @@ def _outputs(ctx: _Ctx, node: Any, axes: set[str], scalars: set[str]) -> tuple[O
             raise SpecError(ctx.loc(entry, "index", path), f"{len(index)} indices for a {len(shape)}-d output")
         value, _ = ctx.text(entry, "value", path)
         empty = ctx.text(entry, "empty", path)[0] if "empty" in entry else None
-        out.append(Output(name, shape, str(entry["dtype"]), index, value, empty, ctx.loc(node, name, "outputs")))
+        dtype = str(entry["dtype"])
+        for part in dtype.split(" or "):
+            if part.strip() not in TENSOR_DTYPES and part.strip() not in arg_names:
+                raise SpecError(ctx.loc(entry, "dtype", path), f"unknown dtype '{part.strip()}' (a dtype of "
+                                f"{', '.join(TENSOR_DTYPES)}, or an argument's name)")
+        out.append(Output(name, shape, dtype, index, value, empty, ctx.loc(node, name, "outputs")))
     return tuple(out)
 
 
@@ -459,13 +502,20 @@ def parse_spec(text: str, file: str = "<spec>") -> OpSpec:
     try:
         loader = _Loader(text)
         loader.name = file
+        loader.text = text
         try:
             root = loader.get_single_data()
         finally:
             loader.dispose()
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        raise SpecError(Loc(file, (mark.line + 1) if mark else 0, ""), f"invalid YAML: {exc}") from None
+        # the line where the broken construct starts (context), else where the parser noticed (problem)
+        mark = getattr(exc, "context_mark", None) or getattr(exc, "problem_mark", None)
+        line = (mark.line + 1) if mark else 1
+        what = "; ".join(str(x) for x in (getattr(exc, "context", None), getattr(exc, "problem", None)) if x)
+        raise SpecError(Loc(file, line, key_path(text, line)), f"invalid YAML: {what or exc}") from None
+    if root is None:
+        raise SpecError(Loc(file, 1, "(top level)"), "the spec is empty: expected a mapping with the keys op, args, "
+                        "outputs and cascade")
     ctx = _Ctx(file)
     ctx.mapping(root, "", ("op", "args", "outputs", "cascade"),
                 ("summary", "axes", "checks", "variants", "schedule"))
@@ -483,7 +533,7 @@ def parse_spec(text: str, file: str = "<spec>") -> OpSpec:
         raise SpecError(ctx.loc(root, "args", ""), "an op needs at least one tensor argument")
     int_scalars = {a.name for a in args if isinstance(a, ScalarArg) and a.type == "int"}
     checks = _checks(ctx, root.get("checks", _List()))
-    outputs = _outputs(ctx, root["outputs"], axis_names, int_scalars)
+    outputs = _outputs(ctx, root["outputs"], axis_names, int_scalars, {a.name for a in args})
     cascade = _cascade(ctx, root["cascade"])
     clash = {n for n, _, _ in cascade.indices} & ({a.name for a in args} | axis_names)
     if clash:

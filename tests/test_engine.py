@@ -2,7 +2,8 @@
 
 Every shipped spec and the extra cascades in tests/specs/ are run in float64: the online form chunk by chunk with
 random chunk sizes (1 included) and the merge form over random segment splits (empty segments included) must
-reproduce the direct evaluation of the unfused cascade to 1e-12, including rows that are fully masked, all zero
+reproduce the plain unfused math (generator/symbolic/oracle.py: no guard, no mask value) to 1e-12, and to 1e-9 on
+adversarial rows, including rows that are fully masked, all zero
 or -inf, where the guards must give the exact defined values.
 """
 
@@ -17,14 +18,9 @@ import pytest
 from generator.errors import FusionError, SpecError
 from generator.spec import load_spec, spec_files
 from generator.symbolic import derive
-from generator.symbolic.evaluate import (
-    compare,
-    evaluate_direct,
-    evaluate_merged,
-    evaluate_online,
-    random_problem,
-)
+from generator.symbolic.evaluate import evaluate_merged, evaluate_online, random_problem
 from generator.symbolic.forms import analyze
+from generator.symbolic.oracle import adversarial_problem, check_forms, evaluate_plain
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = spec_files(ROOT / "specs")
@@ -73,25 +69,17 @@ def analyses():
 def test_online_and_merge_forms_match_the_unfused_cascade(path, analyses):
     op = analyses[path.stem]
     for case in op.cases:
-        for seed in range(4):
+        for seed in range(3):
             rng = random.Random(seed * 7919 + hash(case.ir.label) % 1000)
             prob = random_problem(case.ir, rng, max_size=6)
             poison(prob, op.spec.name, rng)
-            ref = evaluate_direct(case, prob)
-            online = evaluate_online(case, prob, rng)
-            merged = evaluate_merged(case, prob, rng, segments=rng.randint(2, 4))
-            assert not compare(ref, online, 1e-12), (case.ir.label, compare(ref, online, 1e-12))
-            assert not compare(ref, merged, 1e-12), (case.ir.label, compare(ref, merged, 1e-12))
-            # chunks of exactly one element
-            n = int(case.ir.extents[case.ir.over].xreplace(
-                {**{case.ir.axes[k]: v for k, v in prob.sizes.items()},
-                 **{case.ir.scalars[k]: v for k, v in prob.scalars.items() if k in case.ir.scalars}}))
-            ones = evaluate_online(case, prob, rng, chunks=range(n + 1))
-            assert not compare(ref, ones, 1e-12), (case.ir.label, compare(ref, ones, 1e-12))
+            assert not check_forms(case, prob, rng, 1e-12), (case.ir.label, check_forms(case, prob, rng, 1e-12))
+            adversarial = adversarial_problem(case.ir, rng, 6)
+            assert not check_forms(case, adversarial, rng), (case.ir.label, check_forms(case, adversarial, rng))
 
 
 def _runs(case, prob, rng):
-    return [evaluate_online(case, prob, rng), evaluate_merged(case, prob, rng), evaluate_direct(case, prob)]
+    return [evaluate_online(case, prob, rng), evaluate_merged(case, prob, rng), evaluate_plain(case.ir, prob)]
 
 
 def test_attention_fully_masked_rows_give_zero_and_minus_inf(analyses):
@@ -123,9 +111,12 @@ def test_logsumexp_and_softmax_of_minus_inf_rows(analyses):
     prob = random_problem(lse.ir, rng, fixed={"T": 3, "E": 5})
     prob.tensors["x"][1] = -np.inf
     prob.tensors["x"][2, :2] = -np.inf
-    for out in _runs(lse, prob, rng):
+    # a row of -inf: the plain math of the stabilised form is nan (exp(-inf - -inf)); the engine's guard gives the
+    # limit (lse -inf, probabilities 0), which the oracle leaves unjudged
+    assert np.isnan(evaluate_plain(lse.ir, prob)["out"][1])
+    for out in _runs(lse, prob, rng)[:2]:
         assert out["out"][1] == -np.inf and np.isfinite(out["out"][[0, 2]]).all()
-    for out in _runs(sm, prob, rng):
+    for out in _runs(sm, prob, rng)[:2]:
         assert np.all(out["out"][1] == 0.0)
         assert np.all(out["out"][2, :2] == 0.0) and np.isclose(out["out"][2].sum(), 1.0)
 

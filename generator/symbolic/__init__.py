@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from ..errors import FusionError
 from ..spec import OpSpec
-from .evaluate import self_check
 from .forms import Analysis, OpAnalysis, analyze
+from .oracle import self_check
 
 
-def derive(spec: OpSpec, verify: bool = True, seed: int = 0, trials: int = 2) -> OpAnalysis:
+def derive(spec: OpSpec, verify: bool = True, seed: int = 0, trials: int = 1) -> OpAnalysis:
     """Analyse every specialisation of a spec and check the derived forms numerically (online and merged
     evaluation against the unfused cascade on small random problems). Raises FusionError/SpecError."""
     op = analyze(spec)

@@ -60,6 +60,13 @@ def _lambdify(symbols: list[sp.Symbol], expr: sp.Expr) -> Callable[..., float]:
     return sp.lambdify(symbols, expr, modules=[{"sigmoid": lambda x: 1.0 / (1.0 + math.exp(-x))}, "math"])
 
 
+def np_lambdify(symbols: list[sp.Basic], expr: sp.Expr) -> Callable[..., Any]:
+    """expr as a numpy float64 function (overflow gives inf, 0/0 nan: the arithmetic of the kernels)."""
+    import numpy as np
+
+    return sp.lambdify(symbols, strip_casts(expr), modules=[{"sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x))}, "numpy"])
+
+
 def sample_value(sym: sp.Basic, rng: random.Random) -> float:
     """A random value that respects a symbol's assumptions."""
     if getattr(sym, "is_integer", False):
@@ -211,9 +218,9 @@ def _numeric_identity(
     checked = 0
     for _ in range(trials):
         vals = {s: sample_value(s, rng) for s in syms}
-        for d in deps:
-            vals[old[d]] = sample_value(d, rng)
-            vals[new[d]] = sample_value(d, rng)
+        for d in deps:  # states at their regular values (old/new carry those assumptions: an abs-max is >= 0)
+            vals[old[d]] = sample_value(old[d], rng)
+            vals[new[d]] = sample_value(new[d], rng)
         args_new = [vals[s] for s in syms]
         args_old = list(args_new)
         for d in deps:
@@ -293,52 +300,210 @@ class GuardPoint:
     why: str
 
 
-def _degenerate(value: sp.Expr) -> bool:
-    """Not a finite non-zero number: 0, +-oo, nan, or undetermined (sin(oo) is an interval in sympy)."""
+def _degenerate(value: sp.Expr, kind: str = TIMES) -> bool:
+    """Not usable as a correction factor: +-oo, nan or undetermined (sin(oo) is an interval in sympy), and 0 for a
+    multiplicative correction (0 is the identity of an additive one, not a degenerate value)."""
     if value.has(sp.nan, sp.zoo, sp.oo, sp.S.NegativeInfinity) or value.atoms(sp.AccumBounds):
         return True
     if not value.is_number:
         return True
     if value.is_zero:
-        return True
+        return kind == TIMES
     return value.is_finite is False
 
 
-def degenerate_points(H: sp.Expr, dep: sp.Symbol, candidates: list[sp.Expr]) -> list[GuardPoint]:
-    """Points among the candidates where H(D) is zero or not finite, each with a safe substitute."""
-    generic = {s: sp.Rational(37, 100) + n for n, s in enumerate(sorted(H.free_symbols - {dep}, key=str))}
+# values of the other symbols of H at which a point is tried: two of either sign (one generic point is not a proof)
+_GENERIC = (sp.Rational(37, 100), sp.Rational(-53, 100), sp.Rational(29, 10), sp.Rational(-41, 10))
+
+
+def _at_points(H: sp.Expr, dep: sp.Symbol, p: sp.Expr) -> list[sp.Expr]:
+    """H at dep = p, exactly where sympy can decide it, else at several generic values of the other symbols."""
+    others = sorted(H.free_symbols - {dep}, key=str)
+    try:
+        exact = sp.simplify(H.subs(dep, p))
+    except (ZeroDivisionError, TypeError, ValueError):
+        return [sp.nan]
+    if exact.is_number or not others:
+        return [exact]
+    out = []
+    for n, g in enumerate(_GENERIC):
+        sub = {s: g + sp.Rational(k, 7) for k, s in enumerate(others)} if n else \
+            {s: _GENERIC[0] + k for k, s in enumerate(others)}
+        try:
+            out.append(sp.simplify(H.xreplace(sub).subs(dep, p)))
+        except (ZeroDivisionError, TypeError, ValueError):
+            out.append(sp.nan)
+    return out
+
+
+def degenerate_points(H: sp.Expr, dep: sp.Symbol, candidates: list[sp.Expr], kind: str = TIMES) -> list[GuardPoint]:
+    """Points among the candidates where H(D) cannot serve as a correction (see _degenerate), each with a safe
+    substitute where H is usable for every value of the other symbols tried."""
     out = []
     for p in candidates:
-        try:
-            v = sp.simplify(H.xreplace(generic).subs(dep, p))
-        except (ZeroDivisionError, TypeError, ValueError):
-            v = sp.nan
-        if not _degenerate(v):
+        values = _at_points(H, dep, p)
+        bad = [v for v in values if _degenerate(v, kind)]
+        if not bad:
             continue
         safe = None
-        for cand in (sp.Integer(0), sp.Integer(1), sp.Integer(2)):
+        for cand in (sp.Integer(0), sp.Integer(1), sp.Integer(2), sp.Integer(-1)):
             if cand == p:
                 continue
-            try:
-                w = sp.simplify(H.xreplace(generic).subs(dep, cand))
-            except (ZeroDivisionError, TypeError, ValueError):
-                continue
-            if not _degenerate(w):
+            if not any(_degenerate(w, kind) for w in _at_points(H, dep, cand)):
                 safe = cand
                 break
         if safe is None:
             raise ValueError(f"no safe substitute for {dep} = {p} in H = {H}")
-        out.append(GuardPoint(dep, p, safe, f"H = {H} is {v} at {dep} = {p}"))
+        out.append(GuardPoint(dep, p, safe, f"H = {H} is {bad[0]} at {dep} = {p}"))
     return out
 
 
-def state_candidates(op: str, body: sp.Expr) -> list[sp.Expr]:
-    """Values a state takes on an empty or degenerate prefix: its neutral element, and 0 where it can be 0."""
+def state_candidates(op: str) -> list[sp.Expr]:
+    """Values a state reaches where its correction may break down: its neutral element (an empty prefix, or a
+    prefix of elements at the neutral value), 0 (an all-zero abs-max, a signed max passing through 0, an
+    underflowed or cancelled sum) and both infinities (overflow, infinite entries)."""
     out = [MONOIDS[op].neutral]
-    b = strip_casts(body)
-    if op in ("max", "min") and b.is_nonnegative:
-        out.append(sp.Integer(0))  # e.g. the abs-max of an all-zero row
+    out.append(sp.Integer(0))  # e.g. the abs-max of an all-zero row
+    for inf in (sp.S.NegativeInfinity, sp.oo):
+        if inf not in out:
+            out.append(inf)
     return out
+
+
+def other_singular_points(H: sp.Expr, dep: sp.Symbol, known: list[sp.Expr], kind: str = TIMES) -> list[sp.Expr] | None:
+    """Finite real values of dep, besides the known candidates, where H is zero (multiplicative corrections) or
+    has a pole; None when sympy cannot locate them."""
+    d = sp.Dummy("d", real=True)
+    h = sp.together(H.xreplace({dep: d}))
+    num, den = sp.fraction(h)
+    found: list[sp.Expr] = []
+    for part in ([num, den] if kind == TIMES else [den]):
+        if not part.has(d) or part.is_zero is False:
+            continue  # no real root (sympy knows the sign, e.g. max(eps, a) or exp(-a))
+        try:
+            sols = sp.solve(part, d, dict=False)
+        except (NotImplementedError, TypeError, ValueError):
+            return None
+        if not isinstance(sols, list):
+            return None
+        found += [x for x in sols if x.is_real is not False and x not in known]
+    return found
+
+
+# --------------------------------------------------------------------------------------------- reachable values
+# element values tried when asking which values a body takes in floating point: -inf entries, zeros of either sign,
+# values around 0 and values whose exp overflows or underflows
+PROBE = (-math.inf, -1000.0, -800.0, -745.5, -100.0, -3.0, -1.0, -1e-300, -0.0, 0.0, 1e-300, 1.0, 3.0, 100.0,
+         710.0, 800.0, 1000.0)
+
+
+def _sample_values(sym: sp.Basic) -> tuple[float, ...]:
+    if getattr(sym, "is_integer", False):
+        return (1.0, 3.0) if sym.is_positive else (0.0, 1.0, 3.0)
+    if sym.is_positive:
+        return (1e-3, 1.0, 800.0)
+    if sym.is_nonnegative:
+        return (0.0, 1.0, 800.0)
+    return (-800.0, -1.0, 0.0, 1.0, 800.0)
+
+
+def probe_body(body: sp.Expr, atom: sp.Basic, rng: random.Random, combos: int = 12) -> list[tuple[float, float]]:
+    """(element value, body value) in float64 over PROBE, with the other symbols of the body (states at their
+    regular values, row constants, other reads) at a few values each."""
+    a = sp.Dummy("a", real=True)
+    b = strip_casts(body).xreplace({atom: a})
+    others = sorted(b.free_symbols - {a}, key=str) + sorted(b.atoms(sp.Indexed), key=str)
+    fresh = {o: sp.Dummy(f"o{n}", real=True) for n, o in enumerate(others)}
+    b = b.xreplace(fresh)
+    import numpy as np
+
+    f = np_lambdify([a, *fresh.values()], b)
+    grids = [_sample_values(o) if isinstance(o, sp.Symbol) else (-800.0, -1.0, 0.0, 1.0, 800.0) for o in others]
+    points = [tuple(rng.choice(g) for g in grids) for _ in range(combos)] if others else [()]
+    out = []
+    with np.errstate(all="ignore"):
+        for x in PROBE:
+            for pt in points:
+                try:
+                    v = complex(f(np.float64(x), *[np.float64(c) for c in pt]))
+                except (ValueError, ZeroDivisionError, OverflowError, TypeError, NameError):
+                    continue
+                if v.imag == 0:
+                    out.append((x, v.real))
+    return out
+
+
+def correction_overflows(c: sp.Expr, moves: list[tuple[sp.Symbol, sp.Symbol, int]],
+                         rng: random.Random, trials: int = 200) -> tuple[float, float] | None:
+    """A multiplicative correction c(old -> new) that overflows to +-inf in float64 for states that move as they
+    can (moves: (old, new, direction), +1: new >= old as for a max or a sum of non-negative terms, -1: new <= old,
+    0: either way), e.g. exp(m_old - m_new) for a min m. Such a correction turns a state 0 into nan and a finite
+    state into inf where the plain math is finite. Returns an (old, new) pair where it does, else None."""
+    import numpy as np
+
+    values = (-1000.0, -800.0, -3.0, -1.0, 0.0, 1.0, 3.0, 800.0, 1000.0)
+    movers = {o for o, _, _ in moves} | {n for _, n, _ in moves}
+    others = sorted(c.free_symbols - movers, key=str)
+    syms = [x for o, n, _ in moves for x in (o, n)] + others
+    fresh = {x: sp.Dummy(f"c{k}", real=True) for k, x in enumerate(syms)}
+    f = np_lambdify(list(fresh.values()), c.xreplace(fresh))
+
+    def allowed(sym: sp.Symbol, v: float) -> bool:
+        return not ((sym.is_positive and v <= 0) or (sym.is_nonnegative and v < 0))
+
+    with np.errstate(all="ignore"):
+        for _ in range(trials):
+            args = []
+            pair = None
+            for o, n, direction in moves:
+                a, b = rng.choice(values), rng.choice(values)
+                if direction * (b - a) < 0:
+                    a, b = b, a
+                if not (allowed(o, a) and allowed(n, b)):
+                    break
+                args += [a, b]
+                pair = pair or (a, b)
+            else:
+                args += [rng.choice(_sample_values(x)) for x in others]
+                try:
+                    v = complex(f(*[np.float64(x) for x in args]))
+                except (ValueError, ZeroDivisionError, OverflowError, TypeError, NameError):
+                    continue
+                if v.imag == 0 and math.isinf(v.real):
+                    return pair
+    return None
+
+
+def nan_point(body: sp.Expr, atoms: list[sp.Basic], rng: random.Random, trials: int = 80) -> dict | None:
+    """Element values (from PROBE, -inf included) at which the body is nan in float64 (e.g. (x - 1)/(1 + |x|) at
+    x = -inf), with the other symbols at sampled values; None when none was found."""
+    import numpy as np
+
+    b = strip_casts(body)
+    others = sorted(b.free_symbols - set(atoms), key=str) + sorted(set(b.atoms(sp.Indexed)) - set(atoms), key=str)
+    syms = list(atoms) + others
+    fresh = {x: sp.Dummy(f"n{k}", real=True) for k, x in enumerate(syms)}
+    f = np_lambdify(list(fresh.values()), b.xreplace(fresh))
+    with np.errstate(all="ignore"):
+        for _ in range(trials):
+            vals = [rng.choice(PROBE) for _ in atoms] + [
+                rng.choice(_sample_values(x) if isinstance(x, sp.Symbol) else (-1.0, 0.0, 1.0)) for x in others]
+            try:
+                v = complex(f(*[np.float64(x) for x in vals]))
+            except (ValueError, ZeroDivisionError, OverflowError, TypeError, NameError):
+                continue
+            if math.isnan(v.real):
+                return {a: vals[k] for k, a in enumerate(atoms)}
+    return None
+
+
+def neutral_everywhere(term: sp.Expr, neutral: sp.Expr) -> bool:
+    """term equals the neutral element for every value of its symbols (as sympy proves it with their assumptions):
+    a check at one generic point is not a proof."""
+    try:
+        return sp.simplify(term) == neutral
+    except (ValueError, TypeError, ZeroDivisionError):
+        return False
 
 
 __all__ = [
@@ -351,9 +516,14 @@ __all__ = [
     "Monoid",
     "Refusal",
     "apply",
+    "correction_overflows",
     "decompose",
     "degenerate_points",
     "distributes",
+    "nan_point",
+    "neutral_everywhere",
+    "other_singular_points",
+    "probe_body",
     "sigmoid",
     "state_candidates",
 ]

@@ -238,12 +238,18 @@ class ExprParser:
         if len(node.args) != want:
             raise self.fail(f"{op}() takes {want} positional argument(s), got {len(node.args)}")
         body = self.visit(node.args[0])
+        self._numeric(body, node.args[0])
         k = self.visit(node.args[1]) if op == "topk" else None
+        if k is not None and (not isinstance(k, sp.Expr) or is_bool(k) or k.is_integer is not True):
+            raise self.fail(f"the k of topk() is an integer expression of sizes and int arguments, got "
+                            f"'{ast.unparse(node.args[1])}'")
         where = self.visit(kwargs["where"]) if "where" in kwargs else sp.true
         if where is True:
             where = sp.true
         elif where is False:
             where = sp.false
+        if not is_bool(where):
+            raise self.fail(f"where= is a condition (a comparison, and/or/not), got '{ast.unparse(kwargs['where'])}'")
         over = None
         if "over" in kwargs:
             o = kwargs["over"]
@@ -342,7 +348,12 @@ class ExprParser:
         a, b = self.visit(node.left), self.visit(node.right)
         self._numeric(a, node.left)
         self._numeric(b, node.right)
-        return op(a, b)
+        if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and sp.sympify(b).is_zero:
+            raise self.fail(f"division by zero in {ast.unparse(node)}")
+        out = op(a, b)
+        if isinstance(out, sp.Basic) and out.has(sp.zoo, sp.nan):
+            raise self.fail(f"{ast.unparse(node)} is undefined")
+        return out
 
     def visit_UnaryOp(self, node: ast.UnaryOp) -> Any:
         v = self.visit(node.operand)

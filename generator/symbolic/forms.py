@@ -26,9 +26,14 @@ from .algebra import (
     Decomposition,
     GuardPoint,
     Refusal,
+    correction_overflows,
     decompose,
     degenerate_points,
     distributes,
+    nan_point,
+    neutral_everywhere,
+    other_singular_points,
+    probe_body,
     state_candidates,
 )
 from .expr import has_casts, is_bool, strip_casts
@@ -239,6 +244,51 @@ def _numeric_at(expr: sp.Expr, values: dict[sp.Symbol, float]) -> float:
             return math.nan
 
 
+UNREACHABLE = "unreachable"  # _reached_only_empty: no prefix takes the state to the point (no guard needed)
+
+
+def _implies(a: Any, b: Any) -> bool:
+    """The predicate a implies b, syntactically: b is true, equal to a, or made of conjuncts of a."""
+    if b in (sp.true, True) or a == b:
+        return True
+    conj_a = set(a.args) if isinstance(a, sp.And) else {a}
+    conj_b = set(b.args) if isinstance(b, sp.And) else {b}
+    return conj_b <= conj_a
+
+
+def _neutral_at(f: ReductionForm, atom: sp.Basic, value: sp.Expr) -> bool:
+    """The streamed term of f is neutral at atom = value for every value of its other symbols (False where sympy
+    cannot even substitute, e.g. max(nan, ...))."""
+    try:
+        return neutral_everywhere(strip_casts(f.term).xreplace({atom: value}), f.neutral)
+    except (ValueError, TypeError, ZeroDivisionError):
+        return False
+
+
+def _solutions(b: sp.Expr, a: sp.Basic, target: sp.Expr) -> list[sp.Expr] | None:
+    """Real element values with b = target (infinite ones by substitution); None when sympy cannot solve."""
+    if target.is_infinite:
+        return [c for c in (target, -target) if _value_at(b, {a: c}) == target]
+    x = sp.Dummy("a", real=True)
+    try:
+        sols = sp.solve(sp.Eq(b.xreplace({a: x}), target), x, dict=False)
+    except (NotImplementedError, TypeError, ValueError):
+        return None
+    if not isinstance(sols, list) or any(not isinstance(v, sp.Expr) for v in sols):
+        return None
+    out = [v for v in sols if v.is_real is not False]
+    out += [c for c in (sp.oo, sp.S.NegativeInfinity) if _value_at(b, {a: c}) == target]
+    return out
+
+
+def _value_can_be(b: sp.Expr, atoms: list[sp.Basic], value: sp.Expr) -> bool:
+    """Some element value gives b = value (True when sympy cannot tell)."""
+    if len(atoms) != 1:
+        return True
+    sols = _solutions(b, atoms[0], value)
+    return sols is None or bool(sols)
+
+
 # --------------------------------------------------------------------------------------------- the analysis
 class _Analyzer:
     def __init__(self, ir: CascadeIR):
@@ -251,6 +301,7 @@ class _Analyzer:
         self.guard_points: dict[str, list[GuardPoint]] = {}
         self.pass_reasons: dict[int, str] = {1: "first pass over the row"}
         self.approximations: set[str] = set()
+        self.undefined: list[str] = []  # degenerate points reached only where the plain math is nan
         self.rng = random.Random(1234)
 
     def fail(self, r: Reduction, condition: str, detail: str) -> FusionError:
@@ -381,6 +432,25 @@ class _Analyzer:
             if isinstance(pdec, Refusal):
                 return Refusal("decomposable", f"payload {pname} = {pexpr}: {pdec.detail}")
             payloads.append((pname, pexpr, pdec))
+        for x in online:  # a state that is nan makes every correction nan, also of a sum that counted nothing
+            if any(dd.kind != "none" and dd.correction.has(old[self.ir.states[x]]) for dd in [dec] + [p[2] for p in payloads]):
+                dep = self.ir.reduction(x)
+                b = strip_casts(dep.body).xreplace({self.ir.states[y]: self.syms[y]["new_r"] for y in dep.deps
+                                                    if y in self.ir.states})
+                at = nan_point(b, element_atoms(self.ir, b, outermost=True), self.rng)
+                if at is not None:
+                    shown = ", ".join(f"{k} = {v}" for k, v in at.items())
+                    return Refusal("invertible", f"the body {b} of '{x}' is nan at {shown}, which makes '{x}' nan "
+                                   f"and the correction of '{r.name}' nan even where '{r.name}' counts no element")
+        for dd in [dec] + [p[2] for p in payloads]:
+            if dd.kind == "*":
+                moves = [(old[self.ir.states[x]], new[self.ir.states[x]], self._direction(x)) for x in online
+                         if dd.correction.has(old[self.ir.states[x]])]
+                bad = correction_overflows(dd.correction, moves, self.rng) if moves else None
+                if bad is not None:
+                    return Refusal("invertible", f"the correction {dd.correction} overflows to inf in floating point "
+                                   f"as the states move (e.g. from {bad[0]} to {bad[1]}): a state of 0 becomes nan "
+                                   "and a finite one inf")
         inv = self._invertible(r, online, [dec] + [p[2] for p in payloads])
         if isinstance(inv, Refusal):
             return inv
@@ -395,25 +465,47 @@ class _Analyzer:
             conditions=tuple(conditions), loc=r.loc,
         )
 
+    def _direction(self, d: str) -> int:
+        """How a state moves as elements come: +1 up (a max, a sum of non-negative terms), -1 down (a min, a sum
+        of non-positive terms), 0 either way."""
+        dep = self.ir.reduction(d)
+        if dep.op in ("max", "min"):
+            return 1 if dep.op == "max" else -1
+        regular = {self.ir.states[x]: self.syms[x]["new_r"] for x in dep.deps if x in self.ir.states}
+        b = strip_casts(dep.body).xreplace(regular)
+        return 1 if b.is_nonnegative else (-1 if b.is_nonpositive else 0)
+
     def _invertible(self, r: Reduction, online: list[str], decs: list[Decomposition]) -> Condition | Refusal:
         details = []
         for d in online:
             sym = self.ir.states[d]
             dep_red = self.ir.reduction(d)
-            cands = state_candidates(dep_red.op, dep_red.body)
+            cands = state_candidates(dep_red.op)
             for dec in decs:
                 if dec.kind == "none" or not dec.H.has(sym):
                     continue
+                other = other_singular_points(dec.H, sym, cands, dec.kind)
+                if other is None:
+                    return Refusal("invertible", f"cannot locate where H = {dec.H} is zero or infinite in {d}")
+                if other:
+                    return Refusal("invertible", f"H = {dec.H} is zero or infinite at {d} = {other[0]}: only a "
+                                   f"state's neutral value, 0 and the infinities can be guarded")
                 try:
-                    pts = degenerate_points(dec.H, sym, cands)
+                    pts = degenerate_points(dec.H, sym, cands, dec.kind)
                 except ValueError as exc:
                     return Refusal("invertible", str(exc))
                 known = self.guard_points.setdefault(d, [])
                 for p in pts:
-                    unsound = self._reached_only_empty(r, d, p.point)
+                    before = len(self.undefined)
+                    unsound = self._reached_only_empty(r, d, p)
+                    if unsound == UNREACHABLE:
+                        continue
                     if unsound:
                         return Refusal("invertible", f"H = {dec.H} is not finite/non-zero at {d} = {p.point}, "
                                        f"and {unsound}")
+                    if len(self.undefined) > before:
+                        details.append(self.undefined[-1])
+                        continue  # no guard: the plain math is undefined on the rows that reach the point
                     if all(p.point != q.point for q in known):
                         known.append(p)
                     details.append(f"H is not finite/non-zero at {d} = {p.point}: guarded with {d} -> {p.safe}")
@@ -421,50 +513,114 @@ class _Analyzer:
             return Condition("invertible", True, "H is finite and non-zero wherever its states can be")
         return Condition("invertible", True, "; ".join(sorted(set(details))))
 
-    def _reached_only_empty(self, r: Reduction, d: str, point: sp.Expr) -> str | None:
-        """A guard replaces state d at `point` by a safe value. That is sound when d reaches `point` only on a
-        prefix whose elements all contribute the neutral element to r. None when proved; else why not."""
+    def _reached_only_empty(self, r: Reduction, d: str, gp: GuardPoint) -> str | None:
+        """A guard replaces state d at a point by a safe value, and the correction out of that point by the
+        identity. That is sound when every prefix on which d is at the point holds only elements that contribute
+        the neutral element to r, for every value of the states r reads (the safe value included). None when
+        proved; else why not. Prefixes are judged in floating point: exp underflows to 0 and overflows to inf,
+        entries may be -inf, a signed max passes through 0, a signed sum cancels."""
         ir = self.ir
         dep = ir.reduction(d)
+        point = gp.point
+        if not _implies(r.where, dep.where):
+            return (f"'{r.name}' counts elements that '{d}' does not (where={dep.where}), so '{d}' can stay at "
+                    f"{point} on a prefix that is not empty for '{r.name}'")
         regular = {ir.states[x]: self.syms[x]["new_r"] for x in dep.deps if x in ir.states}
         b = strip_casts(dep.body).xreplace(regular)
-        if dep.op == "sum" and point == 0 and b.is_positive:
-            return None  # a sum of positive terms is 0 only when no element counted
-        if dep.op == "sum" and not (point == 0 and b.is_nonnegative):
-            return f"{d} (a sum of terms of any sign) can reach {point} on a non-empty prefix"
         atoms = element_atoms(ir, b, outermost=True)
+        # a body of no element value (a final state of an earlier pass) still overflows: exp(0.5 - r0), r0 = -800
+        probes = probe_body(b, atoms[0] if atoms else sp.Dummy(), self.rng) if len(atoms) <= 1 else []
+        finite_probe = [v for _, v in probes]
+        if dep.op == "sum":
+            if point.is_infinite:
+                if len(atoms) > 1:
+                    return f"cannot tell whether {b} can be {point} (it reads {len(atoms)} element values)"
+                if not any(v == float(point) for v in finite_probe) and not (not atoms and b.is_infinite):
+                    return UNREACHABLE  # no element value makes a term infinite: the sum stays finite
+                if self._undefined_there(r, d, b, atoms, point, probes):
+                    return None
+                return (f"{d} = sum({b}) is {point} once one element's term is (overflow or an infinite entry), "
+                        "whatever the other elements of the prefix are")
+            if point != 0 or b.is_nonnegative is not True:
+                return f"{d} (a sum of terms of any sign) can reach {point} on a non-empty prefix"
+            target = sp.Integer(0)
+        else:
+            flip = -1 if dep.op == "min" else 1  # a min is the max of the negated body
+            be, pe = flip * b, flip * point
+            if pe is sp.S.NegativeInfinity:
+                target = point
+            elif pe is sp.oo:
+                if any(flip * v == math.inf for v in finite_probe):
+                    if self._undefined_there(r, d, b, atoms, point, probes):
+                        return None
+                    return f"{d} = {dep.op}({b}) is {point} once one element is, whatever the others are"
+                return UNREACHABLE
+            elif (be - pe).is_nonnegative:
+                target = point
+            elif (be - pe).is_nonpositive:
+                if any(v == float(point) for v in finite_probe) or _value_can_be(b, atoms, point):
+                    return f"{d} = {dep.op}({b}) is {point} once one element is, whatever the others are"
+                return UNREACHABLE
+            else:
+                return f"{d} = {dep.op}({b}) passes through {point} on prefixes of elements of either sign"
+        # every element of such a prefix has b = target: find them, and what they contribute to r
+        empty = UNREACHABLE if point != MONOIDS[dep.op].neutral else None  # the empty prefix is at the neutral value
+        if not atoms:
+            return empty if (b - target).is_zero is False else f"every element makes {d} = {point}"
         if len(atoms) != 1:
             return f"cannot tell which elements make {d} = {point} (its body reads {len(atoms)} element values)"
         a = atoms[0]
-        target = sp.Integer(0) if dep.op == "sum" else point
-        if point.is_infinite:
-            sols = [c for c in (point, -point) if _value_at(b, {a: c}) == target]
-        else:
-            try:
-                sols = sp.solve(sp.Eq(b.xreplace({a: sp.Dummy("a", real=True)}), target), dict=False)
-            except (NotImplementedError, TypeError):
-                return f"cannot solve {b} = {target}"
+        sols = _solutions(b, a, target)
+        if sols is None:
+            return f"cannot solve {b} = {target}"
+        for x, v in probes:  # floating point: exp underflows to 0, log(0) is -inf
+            if v == float(target):
+                val = sp.Float(x) if math.isfinite(x) else sp.S.NegativeInfinity
+                if val not in sols:
+                    sols.append(val)
         if not sols:
-            return f"cannot find the elements that make {d} = {point}"
-        if MONOIDS[r.op].selection:
-            return None  # candidates keep their order under any regular substitute; no neutral value needed
+            return empty  # no element makes the state reach the point: only the empty prefix can
+        sols.sort(key=lambda v: (bool(v.is_infinite), str(v)))  # finite ones first: the floating-point cases
         new = {ir.states[x]: self.syms[x]["new_r"] for x in r.deps if x in ir.states}
+        safe = {self.syms[d]["new_r"]: gp.safe}
         term = strip_casts(r.body).xreplace(new)
-        for s in sols:
+        neutral = MONOIDS[r.op].neutral
+        for x in sols:
+            if _value_at(r.where, {a: x}) in (sp.false, False):
+                continue  # r does not count such an element (e.g. where=x > -1e30 and x = -inf)
             try:
-                v = term.xreplace({a: s})
-                generic = {x: sp.Rational(37, 100) for x in v.free_symbols}
-                generic.update({ix: sp.Rational(41, 100) for ix in v.atoms(sp.Indexed)})
-                for x in r.deps:
-                    if x in ir.states:
-                        new_x = self.syms[x]["new_r"]
-                        generic[new_x] = sp.Integer(1) if new_x.is_positive else sp.Integer(0)
-                value = sp.simplify(v.xreplace(generic))
+                v = term.xreplace({a: x})
+                ok = neutral_everywhere(v, neutral) and neutral_everywhere(v.xreplace(safe), neutral)
             except (ValueError, TypeError, ZeroDivisionError):
-                return f"cannot evaluate what an element with {a} = {s} contributes to '{r.name}'"
-            if value != MONOIDS[r.op].neutral:
-                return f"an element with {a} = {s} makes {d} = {point} but contributes {v} to '{r.name}', not neutral"
+                return f"cannot evaluate what an element with {a} = {x} contributes to '{r.name}'"
+            if not ok:
+                return (f"an element with {a} = {x} makes {d} = {point} but contributes {sp.simplify(v)} to "
+                        f"'{r.name}', not its neutral element {neutral} for every value of the states")
         return None
+
+    def _undefined_there(self, r: Reduction, d: str, b: sp.Expr, atoms: list[sp.Basic], point: sp.Expr,
+                         probes: list[tuple[float, float]]) -> bool:
+        """d reaches an infinite point through one element and stays there (a max at +oo, a min at -oo, a sum at
+        +-oo or nan). When r is a sum and that element's own term is nan at d = point, r is nan in the plain math
+        on every such row: the result there is undefined, and nothing the online form computes can differ from a
+        defined value."""
+        if r.op != "sum" or len(atoms) != 1:
+            return False
+        a = atoms[0]
+        sols = _solutions(b, a, point) or []
+        sols += [sp.Float(x) if math.isfinite(x) else sp.S.NegativeInfinity for x, v in probes if v == float(point)]
+        if not sols:
+            return False
+        new = {self.ir.states[x]: self.syms[x]["new_r"] for x in r.deps if x in self.ir.states}
+        term = strip_casts(r.body).xreplace(new)
+        d_r = self.syms[d]["new_r"]
+        for x in sols:
+            v = _value_at(term, {a: x, d_r: point})
+            if v is not sp.nan:
+                return False
+        self.undefined.append(f"{d} = {point} only on rows where '{r.name}' is nan in the plain math "
+                              f"(the element that makes it so contributes nan)")
+        return True
 
     # ------------------------------------------------------------------ guards, passes, outputs
     def _guarded(self, f: ReductionForm, guards: tuple[Guard, ...]) -> ReductionForm:
@@ -562,18 +718,8 @@ class _Analyzer:
             if atom == self.ir.indices[self.ir.over]:
                 continue
             for cand in (sp.S.NegativeInfinity, sp.Integer(0), sp.oo):
-                ok = True
-                for f in streamed:
-                    try:
-                        term = strip_casts(f.term).xreplace({atom: cand})
-                        generic = {s: sp.Rational(37, 100) for s in term.free_symbols}
-                        generic.update({ix: sp.Rational(41, 100) for ix in term.atoms(sp.Indexed)})
-                        v = sp.simplify(term.xreplace(generic))
-                    except (ValueError, TypeError, ZeroDivisionError):  # e.g. max(nan, ...) at -inf
-                        v = sp.nan
-                    if v != f.neutral:
-                        ok = False
-                        break
+                # neutral for every value of the states and row constants, not at one generic point
+                ok = all(_neutral_at(f, atom, cand) for f in streamed)
                 if ok:
                     out[atom] = cand
                     break

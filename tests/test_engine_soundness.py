@@ -1,0 +1,228 @@
+"""The engine never fuses what it cannot prove (issue 15): every counter-example class is either computed
+correctly (online with chunks of one, merged at every cut and at the issue's cut, against the plain unfused math)
+or rejected with a precise reason. Each case is one row of adversarial values from the issue."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from generator.errors import FusionError
+from generator.spec import parse_spec
+from generator.symbolic.evaluate import Problem, evaluate_merged, evaluate_online
+from generator.symbolic.forms import analyze
+from generator.symbolic.oracle import check_forms, evaluate_plain, judge
+
+
+def cascade(reduce: dict[str, str], outputs: dict[str, str], scalars: dict[str, str] | None = None,
+            lets: dict[str, str] | None = None) -> str:
+    lines = ["op: counter_example", "axes: {T: rows, E: columns}", "args:",
+             "  x: {shape: [T, E], dtype: [float32]}", "  v: {shape: [T, E], dtype: [float32]}"]
+    lines += [f"  {n}: {{type: {t}}}" for n, t in (scalars or {}).items()]
+    lines += ["outputs:"]
+    lines += [f'  {n}: {{shape: [T], dtype: float32, index: [t], value: "{v}"}}' for n, v in outputs.items()]
+    lines += ["cascade:", "  indices: {t: T, e: E}", "  rows: [t]", "  over: e"]
+    if lets:
+        lines += ["  let:"] + [f'    {n}: "{v}"' for n, v in lets.items()]
+    lines += ["  reduce:"] + [f'    {n}: "{v}"' for n, v in reduce.items()]
+    return "\n".join(lines) + "\n"
+
+
+def problem(x: list[float], v: list[float] | None = None, **scalars: float) -> Problem:
+    xs = np.array([x], dtype=np.float64)
+    vs = np.array([v if v is not None else [1.0] * len(x)], dtype=np.float64)
+    return Problem({"T": 1, "E": len(x)}, dict(scalars), {"x": xs, "v": vs})
+
+
+def rejected_or_right(text: str, rows: list[Problem], cut: int | None = None) -> str:
+    """'rejected: ...' or 'right'; fails when an accepted cascade differs from the plain math on a row."""
+    try:
+        case = analyze(parse_spec(text, "counter.yaml")).cases[0]
+    except FusionError as exc:
+        assert exc.reduction and exc.condition and exc.detail
+        return f"rejected: {exc.condition}: {exc.detail}"
+    rng = random.Random(0)
+    for prob in rows:
+        bad = check_forms(case, prob, rng)
+        if cut is not None:
+            n = prob.sizes["E"]
+            bad += judge(evaluate_plain(case.ir, prob), evaluate_merged(case, prob, rng, edges=[0, cut, n]))
+        assert not bad, bad
+    return "right"
+
+
+def test_guard_proof_uses_the_safe_value():
+    """m: max(x), y: sum(v * m); x = [-inf, 2]: the plain math gives 4 (the -inf element still counts v * m)."""
+    text = cascade({"m": "max(x[t, e])", "y": "sum(v[t, e] * m)"}, {"y": "y"})
+    assert evaluate_plain(analyze_ir(text), problem([-np.inf, 2.0]))["y"][0] == 4.0
+    verdict = rejected_or_right(text, [problem([-np.inf, 2.0]), problem([0.0, 1.0]), problem([-1.0, 0.0, 2.0])])
+    assert verdict.startswith("rejected: invertible"), verdict
+
+
+def test_a_signed_max_passes_through_zero():
+    text = cascade({"m": "max(x[t, e])", "y": "sum(x[t, e] * m)"}, {"y": "y"})
+    verdict = rejected_or_right(text, [problem([0.0, 1.0]), problem([-1.0, 0.0, 2.0])])
+    assert verdict.startswith("rejected: invertible"), verdict
+
+
+@pytest.mark.parametrize("row", [[1000.0, 1.0], [-800.0, 5.0], [1.0, 1000.0, -800.0]])
+def test_sum_of_exponentials_overflows_and_underflows(row):
+    """l: sum(exp(x)), y: sum(x / l): l = inf by overflow (inf/inf) and l = 0 by underflow on non-empty prefixes."""
+    text = cascade({"l": "sum(exp(x[t, e]))", "y": "sum(x[t, e] / l)"}, {"y": "y"})
+    verdict = rejected_or_right(text, [problem(row)])
+    assert verdict.startswith("rejected: invertible"), verdict
+    assert "l = 0" in verdict or "l = oo" in verdict
+
+
+def test_where_of_a_dependency_is_part_of_the_proof():
+    """c: sum(1, where=x > -2.5), y: sum(x / c); x = [-3, 2, 3]: the plain math 1.0."""
+    text = cascade({"c": "sum(1, where=x[t, e] > -2.5)", "y": "sum(x[t, e] / c)"}, {"y": "y"})
+    assert evaluate_plain(analyze_ir(text), problem([-3.0, 2.0, 3.0]))["y"][0] == 1.0
+    verdict = rejected_or_right(text, [problem([-3.0, 2.0, 3.0])], cut=1)
+    assert verdict.startswith("rejected: invertible") and "where" in verdict, verdict
+
+
+def test_same_where_on_both_is_accepted_and_right():
+    text = cascade({"c": "sum(1, where=x[t, e] > -2.5)", "y": "sum(x[t, e] / c, where=x[t, e] > -2.5)"}, {"y": "y"})
+    assert rejected_or_right(text, [problem([-3.0, 2.0, 3.0]), problem([-3.0, -4.0]), problem([2.0])], cut=1) == "right"
+
+
+def test_power_mean_keeps_elements_equal_to_the_mask_value():
+    """(sum(x ** p) / E) ** (1 / p) with p = -1 on x = [0, 2]: the plain math gives 0 (0 ** -1 = inf)."""
+    text = cascade({"s": "sum(x[t, e] ** p)"}, {"y": "(s / E) ** (1 / p)"}, scalars={"p": "float"})
+    case = analyze(parse_spec(text, "pm.yaml")).cases[0]
+    assert not case.mask_value  # 0 ** p is 0 only for p > 0
+    prob = problem([0.0, 2.0], p=-1.0)
+    assert evaluate_plain(case.ir, prob)["y"][0] == 0.0
+    assert evaluate_online(case, prob, random.Random(0), chunks=[0, 1, 2])["y"][0] == 0.0
+    assert rejected_or_right(text, [prob, problem([0.0, 2.0], p=2.0)]) == "right"
+
+
+def test_softmax_with_a_negative_temperature():
+    """exp((x - m) / T) with T < 0: an element at -inf contributes exp(+inf), it is not masked."""
+    text = cascade({"m": "max(x[t, e])", "l": "sum(exp((x[t, e] - m) / tau))"}, {"lse": "m + log(l)"},
+                   scalars={"tau": "float"})
+    rows = [problem([-np.inf, 1.0], tau=-1.0), problem([-np.inf, 1.0, 0.5], tau=0.5)]
+    verdict = rejected_or_right(text, rows)
+    assert verdict == "right" or verdict.startswith("rejected"), verdict
+    try:
+        case = analyze(parse_spec(text, "t.yaml")).cases[0]
+    except FusionError:
+        return
+    assert not case.mask_value
+
+
+def test_min_of_a_non_negative_body_reaches_zero_through_one_element():
+    """Issue 17: r0: min(x + abs(x)), r1: sum(r0): r0 = 0 once one element is <= 0, whatever the others."""
+    text = cascade({"r0": "min(x[t, e] + abs(x[t, e]))", "r1": "sum(r0)"}, {"r1": "r1"})
+    verdict = rejected_or_right(text, [problem([1.0, -1.0, 2.0]), problem([0.0, 3.0])])
+    assert verdict.startswith("rejected: invertible"), verdict
+
+
+def test_cross_entropy_label_at_minus_inf_is_not_dropped():
+    """where(e == label, x, 0) is not neutral at x = -inf when e is the label: the loss is +inf."""
+    text = cascade({"m": "max(x[t, e])", "l": "sum(exp(x[t, e] - m))", "xt": "sum(where(e == 1, x[t, e], 0))"},
+                   {"loss": "m + log(l) - xt"})
+    assert rejected_or_right(text, [problem([0.5, -np.inf, 2.0]), problem([-np.inf, -np.inf, 1.0])]) == "right"
+
+
+def test_abs_max_without_eps_is_accepted_and_guarded_at_zero():
+    """a: max(abs(x)), acc: sum(x / a * v): a = 0 only on a prefix of zeros, whose elements contribute 0; the
+    guard at a = 0 keeps the chunk of zeros from computing 0/0 (this fails when 0 is not a candidate value)."""
+    text = cascade({"a": "max(abs(x[t, e]))", "acc": "sum(x[t, e] / a * v[t, e])"}, {"out": "acc"})
+    case = analyze(parse_spec(text, "am.yaml")).cases[0]
+    g = case.guard("a")
+    assert g is not None and any(p == 0 for p, _ in g.points)
+    rows = [problem([0.0, 0.0, 3.0, -1.0], [1.0, 2.0, 3.0, 4.0]), problem([0.0, -0.0, 5.0]),
+            problem([-2.0, 0.0, 2.0], [1.0, -1.0, 0.5])]
+    assert rejected_or_right(text, rows) == "right"
+    prob = rows[0]
+    assert evaluate_online(case, prob, random.Random(1), chunks=[0, 1, 2, 3, 4])["out"][0] == pytest.approx(-1 / 3 * 4 + 3)
+
+
+def test_abs_log_max_is_accepted():
+    """max(x + log(a)) with an abs-max a: an additive correction log(a_old) - log(a_new)."""
+    text = cascade({"a": "max(abs(v[t, e]))", "y": "max(x[t, e] + log(a))"}, {"y": "y"})
+    rows = [problem([1.0, 2.0, -1.0], [0.0, 0.5, -3.0]), problem([1.0, -np.inf], [0.0, 0.0])]
+    verdict = rejected_or_right(text, rows)
+    assert verdict == "right" or verdict.startswith("rejected"), verdict
+
+
+def analyze_ir(text: str):
+    from generator.symbolic.ir import build_ir
+
+    return build_ir(parse_spec(text, "ir.yaml"), ())
+
+
+def test_entropy_with_a_where_that_excludes_minus_inf_is_accepted():
+    """sum(exp(x - m) * x, where=x > -1e30): an element at -inf makes m = -inf but is not counted by the sum."""
+    text = cascade({"m": "max(x[t, e])", "l": "sum(exp(x[t, e] - m))",
+                    "h": "sum(exp(x[t, e] - m) * x[t, e], where=x[t, e] > -1e30)"}, {"h": "h", "l": "l"})
+    rows = [problem([-np.inf, 1.0, 2.0]), problem([0.5, -np.inf, -3.0]), problem([3.0, 3.0, -np.inf])]
+    assert rejected_or_right(text, rows, cut=1) == "right"
+
+
+def test_a_growing_correction_that_overflows_is_rejected():
+    """Found by the property test: r1: min(-x), r2: sum(exp(x - r1), where=x > 0). The correction exp(r1_old -
+    r1_new) grows as the min falls; on x = [1000, ...] it overflows and 0 * inf = nan where the math gives inf."""
+    text = cascade({"r1": "min(-(x[t, e]))", "r2": "sum(exp(x[t, e] - r1), where=x[t, e] > 0)"}, {"r2": "r2"})
+    verdict = rejected_or_right(text, [problem([-1.0, 1000.0, 2.0]), problem([3.0, -800.0, 800.0])])
+    assert verdict.startswith("rejected: invertible") and "overflows" in verdict, verdict
+
+
+@pytest.mark.parametrize(
+    "edit, where, message",
+    [
+        (("  B: batch", "  B: [batch"), (7, "axes.B"), "invalid YAML"),
+        (("    m: max(s)", "    m: max(s)\n    m: max(s)"), (35, "cascade.reduce.m"), "duplicate key"),
+        (("    m: max(s)", "    m: max(s)\n    zz: sum('abc')"), (35, "cascade.reduce.zz"), "is not a number here"),
+        (("o: sum(exp(s - m) * v[b, j, g, d])", "o: sum(exp(s - m) / 0)"), (36, "cascade.reduce.o"),
+         "division by zero"),
+        (("m: max(s)", "m: max(s, where=q[b, i, h, 0])"), (34, "cascade.reduce.m"), "where= is a condition"),
+        (("    m: max(s)", "    m: max(s)\n    tk: topk(s, 2.5)"), (35, "cascade.reduce.tk"), "integer expression"),
+        (("dtype: float32, index: [b, h, i]", "dtype: float99, index: [b, h, i]"), (24, "outputs.lse.dtype"),
+         "unknown dtype 'float99'"),
+    ],
+)
+def test_spec_errors_give_file_line_and_dotted_key(edit, where, message):
+    from pathlib import Path
+
+    from generator.errors import SpecError
+
+    text = (Path(__file__).resolve().parents[1] / "specs" / "fused_attention.yaml").read_text()
+    assert edit[0] in text
+    with pytest.raises(SpecError) as exc:
+        analyze(parse_spec(text.replace(edit[0], edit[1], 1), "broken.yaml"))
+    assert (exc.value.loc.file, exc.value.loc.line, exc.value.loc.key) == ("broken.yaml", *where)
+    assert message in exc.value.message
+
+
+def test_empty_spec_and_args_as_a_list():
+    from generator.errors import SpecError
+
+    with pytest.raises(SpecError) as exc:
+        parse_spec("", "empty.yaml")
+    assert str(exc.value).startswith("empty.yaml:1: (top level): the spec is empty")
+    with pytest.raises(SpecError) as exc:
+        parse_spec("op: a\nargs:\n  - x\noutputs: {}\ncascade: {}\n", "list.yaml")
+    assert str(exc.value) == "list.yaml:3: args: expected a mapping, got a list"
+
+
+def test_a_state_that_is_nan_does_not_corrupt_a_sum_that_counted_nothing():
+    """Found by the property test: r0: max((x - 0.5) / (1 + |x|)) is nan at x = -inf (-inf / inf); r1: sum(exp(0.5 -
+    r0), where=v < x) is 0 in the plain math when it counts nothing, but its correction exp(r0_old - r0_new) is nan."""
+    text = cascade({"r0": "max((x[t, e] - 0.5) / (1 + abs(x[t, e])))", "r1": "sum(exp(0.5 - r0), where=v[t, e] < x[t, e])"},
+                   {"r1": "r1"})
+    verdict = rejected_or_right(text, [problem([-np.inf, 1.0, 2.0], [5.0, 5.0, 5.0])])
+    assert verdict.startswith("rejected: invertible") and "nan" in verdict, verdict
+
+
+def test_a_sum_of_a_constant_term_that_overflows():
+    """Found by the property test: with two passes r1: sum(exp(0.5 - r0)) reads the final r0 and overflows for
+    r0 = -1000; r2: min(r1 * r0) would correct by r1_new / r1_old = inf / inf."""
+    text = cascade({"r0": "sum(x[t, e])", "r1": "sum(exp(0.5 - r0))", "r2": "min(r1 * r0)"}, {"r2": "r2"})
+    text = text.replace('    r2: "min(r1 * r0)"\n', '    r2: "min(r1 * r0)"\n  passes: 2\n')
+    verdict = rejected_or_right(text, [problem([-1000.0, 1.0]), problem([-np.inf, 1.0]), problem([3.0, -2.0])])
+    assert verdict.startswith("rejected: invertible"), verdict
