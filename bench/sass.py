@@ -328,11 +328,15 @@ def tables(kernels: list[Kernel]) -> dict[str, tuple[str, str]]:
     return out
 
 
-def compare_tables(current: dict[str, tuple[str, str]], table_dir: Path = TABLE_DIR, subset: bool = False) -> list[str]:
+def compare_tables(current: dict[str, tuple[str, str]], table_dir: Path = TABLE_DIR, subset: bool = False,
+                   unlisted: list[str] | None = None) -> list[str]:
     """Differences between the library's tables and the committed ones, as readable text (empty: same).
 
-    ``subset``: the library is a declared subset build (CI's REDFUSER_CUDA_DTYPES): every kernel it holds must
-    equal its committed row, and committed rows of variants it did not build are not required."""
+    The committed tables hold the kernels of CI's subset build (.ci/run). ``subset=False`` (the default, used by
+    `--update` checks and tools) requires the tables to equal the library's. A caller that passes a list as
+    ``unlisted`` compares kernel by kernel instead: every kernel of the library that has a committed row must equal
+    it, and the kernels without a row are appended to ``unlisted`` (a full build holds more variants than CI's);
+    with ``subset=True`` too, a kernel without a row is a difference."""
     diffs = []
     for fam, (md, js) in current.items():
         md_path, js_path = table_dir / f"{fam}.md", table_dir / f"{fam}.json"
@@ -340,8 +344,9 @@ def compare_tables(current: dict[str, tuple[str, str]], table_dir: Path = TABLE_
             diffs.append(f"{md_path.relative_to(ROOT) if ROOT in md_path.parents else md_path}: missing "
                          f"(the library has {fam} code); write it with `python -m bench.sass --update`")
             continue
-        if subset:
-            diffs += _compare_subset(fam, json.loads(js), json.loads(js_path.read_text()))
+        if subset or unlisted is not None:
+            diffs += _compare_subset(fam, json.loads(js), json.loads(js_path.read_text()),
+                                     None if subset else unlisted)
             continue
         old_md, old_js = md_path.read_text(), js_path.read_text()
         if old_md != md or old_js != js:
@@ -354,20 +359,24 @@ def compare_tables(current: dict[str, tuple[str, str]], table_dir: Path = TABLE_
     return diffs
 
 
-def _compare_subset(fam: str, mine: dict, committed: dict) -> list[str]:
-    """Kernel by kernel: each kernel of the library equals the committed row of the same function and arch."""
+def _compare_subset(fam: str, mine: dict, committed: dict, unlisted: list[str] | None = None) -> list[str]:
+    """Kernel by kernel: each kernel of the library equals the committed row of the same function and arch; one
+    without a row is a difference, or goes to ``unlisted`` when a list is given."""
     rows = {(k["function"], k["arch"]): k for k in committed["kernels"]}
     diffs = []
     for k in mine["kernels"]:
         old = rows.get((k["function"], k["arch"]))
         if old is None:
-            diffs.append(f"{fam}: {k['function']} ({k['arch']}) is not in the committed table "
-                         f"(review, then `python -m bench.sass --update` on a full build)")
+            if unlisted is not None:
+                unlisted.append(f"{k['function']} ({k['arch']})")
+            else:
+                diffs.append(f"{fam}: {k['function']} ({k['arch']}) is not in the committed table "
+                             f"(review, then `python -m bench.sass --update` on CI's subset build)")
         elif old != k:
             changed = {f: (old.get(f), k.get(f)) for f in sorted(set(old) | set(k)) if old.get(f) != k.get(f)}
             diffs.append(f"{fam}: {k['function']} ({k['arch']}) differs from the committed row: {changed}")
     if not mine["kernels"]:
-        diffs.append(f"{fam}: the subset build holds no kernel of this family")
+        diffs.append(f"{fam}: the build holds no kernel of this family")
     return diffs
 
 

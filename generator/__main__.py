@@ -78,7 +78,8 @@ def cmd_emit(args: argparse.Namespace) -> int:
     )
 
     return emit(out=Path(args.out), families=[f for f in args.archs.replace(",", ";").split(";") if f],
-                specs=_paths(args.specs), jobs=args.jobs, ops=_names(args.ops), dtypes=_names(args.dtypes))
+                specs=_paths(args.specs), jobs=args.jobs, ops=_names(args.ops), dtypes=_names(args.dtypes),
+                static=_names(args.static))
 
 
 def _names(text: str) -> list[str] | None:
@@ -104,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=0, help="parallel lowering processes (0 = number of CPUs)")
     p.add_argument("--ops", default="", help="only these ops get CUDA kernels (';'-separated; '' = all)")
     p.add_argument("--dtypes", default="", help="only CUDA variants of these dtypes (';'-separated; '' = all)")
+    p.add_argument("--static", default="", help="only CUDA variants with these static values, KEY=VALUE entries "
+                   "(';'-separated, a key may repeat; e.g. 'D=128;E_cap=512'; '' = all)")
     p.add_argument("specs", nargs="*")
     p.set_defaults(fn=cmd_emit)
     args = parser.parse_args(argv)

@@ -280,3 +280,6 @@ def test_subset_table_comparison_checks_each_built_kernel():
     assert "not in the committed table" in _compare_subset("sm90a", {"kernels": [dict(row, function="k3")]},
                                                            committed)[0]
     assert _compare_subset("sm90a", {"kernels": []}, committed)
+    unlisted: list[str] = []
+    assert _compare_subset("sm90a", {"kernels": [dict(row, function="k3")]}, committed, unlisted) == []
+    assert unlisted == ["k3 (sm_90a)"]

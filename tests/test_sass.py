@@ -14,6 +14,7 @@ Tools: cuobjdump (pip install nvidia-cuda-cuobjdump, or a CUDA toolkit) and read
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,9 +23,8 @@ from bench import sass
 from bench.sass_expect import CHECKED_FAMILIES, FAMILY_ARCHS
 
 CPU_ONLY = os.environ.get("REDFUSER_CPU_ONLY_BUILD", "") == "1"
-# a declared subset build (CI builds REDFUSER_CUDA_DTYPES=bfloat16: every template for every family): its kernels
-# must equal their rows in the committed tables of the full build; the rows of variants it did not build are not
-# required
+# a declared subset build (.ci/run: bf16, D=128, E_cap=512: every template for every family): each of its kernels
+# must have its row in the committed tables (which are written from that build) and equal it
 SUBSET = os.environ.get("REDFUSER_SUBSET_BUILD", "") == "1"
 
 
@@ -88,5 +88,12 @@ class TestCudaCode:
         assert not problems, "\n".join(problems)
 
     def test_tables_match_the_library(self, kernels):
-        diffs = sass.compare_tables(sass.tables(kernels), subset=SUBSET)
+        # The committed tables are those of CI's subset build: there every kernel must have its row; a full build
+        # (README) holds more variants, whose rules test_checked_families_meet_their_rules checks, and each of its
+        # kernels that has a row must still equal it.
+        unlisted: list[str] = []
+        diffs = sass.compare_tables(sass.tables(kernels), subset=SUBSET, unlisted=None if SUBSET else unlisted)
         assert not diffs, "\n".join(diffs)
+        if unlisted:
+            warnings.warn(f"{len(unlisted)} kernels of this full build have no row in the committed tables "
+                          f"(CI's subset), e.g. {unlisted[:3]}")

@@ -29,7 +29,7 @@ def log(msg: str) -> None:
 
 
 def emit(out: Path, families: list[str], specs: list[Path], jobs: int = 0,
-         ops: list[str] | None = None, dtypes: list[str] | None = None) -> int:
+         ops: list[str] | None = None, dtypes: list[str] | None = None, static: list[str] | None = None) -> int:
     """Generate everything; `ops`/`dtypes` (None = all) restrict the CUDA variants (a development subset).
 
     Every op's CUDA variants are planned first and lowered together in one process pool, so that no
@@ -53,7 +53,7 @@ def emit(out: Path, families: list[str], specs: list[Path], jobs: int = 0,
     except SpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    problem = _check_subset(loaded, ops, dtypes)
+    problem = _check_subset(loaded, ops, dtypes, static)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -80,7 +80,9 @@ def emit(out: Path, families: list[str], specs: list[Path], jobs: int = 0,
                 continue
             if dtypes:
                 cv = replace(cv, dtypes=tuple(d for d in cv.dtypes if d in dtypes))
-                spec = replace(spec, variants=replace(spec.variants, cuda=cv))
+            if static:
+                cv = replace(cv, static=_static_subset(cv.static, _static_wanted(static)))
+            spec = replace(spec, variants=replace(spec.variants, cuda=cv))
             try:
                 p = cuda_plan(spec, op, families, log)
             except BridgeError as exc:
@@ -174,7 +176,23 @@ def emitter_problems(op) -> list[str]:
     return problems
 
 
-def _check_subset(specs: list, ops: list[str] | None, dtypes: list[str] | None) -> str | None:
+def _static_wanted(static: list[str]) -> dict[str, set[str]]:
+    """'KEY=VALUE' entries -> key -> the wanted values, as text (a key may repeat)."""
+    wanted: dict[str, set[str]] = {}
+    for entry in static:
+        key, _, value = entry.partition("=")
+        wanted.setdefault(key.strip(), set()).add(value.strip().lower())
+    return wanted
+
+
+def _static_subset(static: tuple, wanted: dict[str, set[str]]) -> tuple:
+    """A spec's static values restricted to the wanted ones where the spec has that key (others unchanged)."""
+    return tuple((k, tuple(v for v in vals if str(v).lower() in wanted[k]) if k in wanted else vals)
+                 for k, vals in static)
+
+
+def _check_subset(specs: list, ops: list[str] | None, dtypes: list[str] | None,
+                  static: list[str] | None = None) -> str | None:
     """A typo in a subset setting must not silently build nothing."""
     with_cuda = {spec.name: spec.variants.cuda for spec in specs if spec.variants.cuda is not None}
     unknown = sorted(set(ops or ()) - set(with_cuda))
@@ -184,6 +202,20 @@ def _check_subset(specs: list, ops: list[str] | None, dtypes: list[str] | None) 
     unknown = sorted(set(dtypes or ()) - known)
     if unknown:
         return f"CUDA dtypes {unknown} are not built by any op (known: {', '.join(sorted(known))})"
+    if static:
+        bad = [e for e in static if "=" not in e or not e.partition("=")[0].strip()]
+        if bad:
+            return f"CUDA static subset entries {bad} are not KEY=VALUE"
+        for key, values in _static_wanted(static).items():
+            have = {str(v).lower() for cv in with_cuda.values() for k, vals in cv.static if k == key for v in vals}
+            if not have:
+                return f"CUDA static key {key!r} is not a static key of any op"
+            for spec in specs:
+                cv = spec.variants.cuda
+                if cv is not None and (not ops or spec.name in ops) and not all(
+                        _static_subset(cv.static, {key: values})[i][1] for i in range(len(cv.static))):
+                    return (f"CUDA static subset {key}={sorted(values)} leaves {spec.name} no variant "
+                            f"(its values: {sorted(have)})")
     return None
 
 
