@@ -166,6 +166,72 @@ inline int64_t imod(int64_t a, int64_t b) {
   return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
 }
 
+// ------------------------------------------------------------------------------------------ tile GEMM
+// C[m, n] (+)= sum_k A[m, k] * B[k, n] for m < M, n < N, all row-major with leading dimensions lda, ldb, ldc:
+// the contractions of a block of rows against a packed tile of the streamed operand (scores = Q_block x K_tile^T,
+// out += P x V_tile). Register-blocked: kGemmMR rows x 32 columns of C stay in vector registers (GCC vector
+// extensions: one zmm per 16 floats on AVX-512, two ymm on AVX2) while k runs, so each element of B is loaded
+// once per kGemmMR rows and each element of A once per 32 columns. Every row of B must have round_up(N, 32)
+// readable floats (packed tiles are allocated that wide; the extra columns are computed and dropped).
+// Inline, so that it is compiled for each target_clones variant of the kernel that calls it.
+typedef float vf16 __attribute__((vector_size(64)));
+inline vf16 load_vf16(const float* p) {
+  vf16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store_vf16(float* p, vf16 v) { std::memcpy(p, &v, sizeof v); }
+constexpr int kGemmMR = 4;
+
+template <int MR>
+inline void gemm_panel(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
+                       int64_t nv, bool accumulate) {
+  vf16 c0[MR], c1[MR];
+  for (int i = 0; i < MR; ++i) {
+    c0[i] = vf16{};
+    c1[i] = vf16{};
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const vf16 b0 = load_vf16(B + k * ldb);
+    const vf16 b1 = load_vf16(B + k * ldb + 16);
+    for (int i = 0; i < MR; ++i) {
+      const float a = A[i * lda + k];
+      c0[i] += a * b0;
+      c1[i] += a * b1;
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    float* c = C + i * ldc;
+    if (nv == 32) {
+      if (accumulate) {
+        c0[i] += load_vf16(c);
+        c1[i] += load_vf16(c + 16);
+      }
+      store_vf16(c, c0[i]);
+      store_vf16(c + 16, c1[i]);
+    } else {
+      float t[32];
+      store_vf16(t, c0[i]);
+      store_vf16(t + 16, c1[i]);
+      for (int64_t n = 0; n < nv; ++n) c[n] = accumulate ? c[n] + t[n] : t[n];
+    }
+  }
+}
+
+inline void gemm_tile(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
+                      float* C, int64_t ldc, bool accumulate) {
+  for (int64_t n0 = 0; n0 < N; n0 += 32) {  // one 32-column panel of B stays in L1 while the rows pass over it
+    const int64_t nv = N - n0 < 32 ? N - n0 : 32;
+    int64_t m = 0;
+    for (; m + kGemmMR <= M; m += kGemmMR)
+      gemm_panel<kGemmMR>(K, A + m * lda, lda, B + n0, ldb, C + m * ldc + n0, ldc, nv, accumulate);
+    for (; m < M; ++m) gemm_panel<1>(K, A + m * lda, lda, B + n0, ldb, C + m * ldc + n0, ldc, nv, accumulate);
+  }
+}
+
+// whether a float is finite (bit test: -ffast-math cannot fold it away)
+inline bool is_finite_bits(float v) { return (float_bits(v) & 0x7F800000u) != 0x7F800000u; }
+
 // ------------------------------------------------------------------------------------------ selections
 // A selection keeps k entries sorted by: filled first, larger key first, NaN keys after all others,
 // lower element index first. Unfilled entries hold key -inf and index -1.
