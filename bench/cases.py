@@ -334,4 +334,106 @@ def route_cases(device: str, size: str) -> list[Case]:
     return cases
 
 
-OPS = {"fused_attention": attention_cases, "moe_route": route_cases}
+# ----------------------------------------------------------------------------------------------------------
+# mla_decode
+# ----------------------------------------------------------------------------------------------------------
+
+def mla_case(B: int, Hq: int, L: int, dtype: torch.dtype, device: str, priority: int, Sq: int = 1) -> Case:
+    """Decode over a paged cache of 64-row pages, every sequence L long, pages in a shuffled order. flops =
+    2 * B * Sq * Hq * L * (576 + 512); bytes = the cache rows read once + q + out + lse. Checked on batch 0 by the
+    attention rule (ref in float64, float32 for half inputs; plain = the reference in the inputs' dtype)."""
+    from redfuser_ops import reference
+
+    esize = torch.tensor([], dtype=dtype).element_size()
+    pages = (L + 63) // 64
+    flops = 2.0 * B * Sq * Hq * L * (576 + 512)
+    nbytes = float(B * L * 576 * esize + B * Sq * Hq * (576 + 512) * esize + B * Hq * Sq * 4)
+    scale = 576**-0.5
+    params = {"B": B, "Sq": Sq, "Hq": Hq, "L": L, "dtype": DT_SHORT[dtype]}
+
+    def make_inputs(gen: torch.Generator, dev: str) -> tuple:
+        q = torch.randn(B, Sq, Hq, 576, generator=gen, device=dev, dtype=dtype)
+        cache = torch.randn(B * pages, 64, 1, 576, generator=gen, device=dev, dtype=dtype)
+        table = torch.randperm(B * pages, generator=gen, device=dev).to(torch.int32).reshape(B, pages)
+        lens = torch.full((B,), L, dtype=torch.int32, device=dev)
+        return q, cache, table, lens
+
+    cache: dict[str, Any] = {}
+
+    def check(impl: str, result: Any, inputs: tuple) -> dict[str, Any]:
+        q, kv, table, lens = inputs
+        out = result[0] if isinstance(result, (tuple, list)) else result
+        ref_dtype = torch.float64 if dtype == torch.float32 else torch.float32
+        if not cache:
+            r_out, _ = reference.mla_decode(q[:1], kv, table[:1], lens[:1], 512, None, False, dtype=ref_dtype)
+            p_out, _ = reference.mla_decode(q[:1], kv, table[:1], lens[:1], 512, None, False, dtype=dtype)
+            cache.update(r_out=r_out, plain_err=_maxerr(p_out.to(ref_dtype), r_out))
+        err = _maxerr(out[:1].to(ref_dtype), cache["r_out"])
+        bound = 2 * cache["plain_err"] + 1e-5
+        return {"max_err": err, "bound": bound, "plain_err": cache["plain_err"], "slice": "b0", "ok": err <= bound}
+
+    impls = [Impl("redfuser", lambda q, kv, t, n: torch.ops.redfuser.mla_decode(q, kv, t, n, 512, None, False)),
+             Impl("eager", lambda q, kv, t, n: peers.absorbed_mla(q, kv, t, n, 512, scale)),
+             Impl("compile", lambda q, kv, t, n: peers.compiled_absorbed_mla(512, scale)(q, kv, t, n))]
+    name = f"{DT_SHORT[dtype]} B{B} Sq{Sq} Hq{Hq} L{L}"
+    input_bytes = B * (Sq * Hq * 576 + pages * 64 * 576) * esize
+    return Case("mla_decode", "mla", name, params, dtype, flops, nbytes, input_bytes, make_inputs, impls, check,
+                priority)
+
+
+def mla_cases(device: str, size: str) -> list[Case]:
+    if device != "cpu":  # CPU cases only for now (the GPU runs keep their time for the attention and router cases)
+        return []
+    shapes = {"full": [(4, 16, 4096), (1, 128, 1024), (16, 16, 1024)], "quick": [(4, 16, 4096), (1, 128, 1024)],
+              "tiny": [(2, 16, 200)]}[size]
+    dtypes = [torch.bfloat16, torch.float32] if device == "cpu" and size != "tiny" else [torch.bfloat16]
+    return [mla_case(B, Hq, L, dt, device, 4 + i) for i, dt in enumerate(dtypes) for B, Hq, L in shapes]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# fp8_quant_gemm
+# ----------------------------------------------------------------------------------------------------------
+
+def fp8_case(M: int, N: int, K: int, dtype: torch.dtype, device: str, priority: int) -> Case:
+    """out = s_m * w_scale * (e4m3(x / s_m) @ w^T): flops 2 M N K; bytes = x + w (1 byte) + w_scale + out.
+    Checked on the first 16 rows by ACCEPTANCE's rule: max|out - ref| <= 2 max|two_pass - ref| + 1e-2 max|ref|,
+    ref = x @ (w * w_scale)^T in float64, two_pass = quantise-then-GEMM in float32."""
+    from redfuser_ops import reference
+
+    esize = torch.tensor([], dtype=dtype).element_size()
+    flops = 2.0 * M * N * K
+    nbytes = float(M * K * esize + N * K + N * 4 + M * N * esize)
+    params = {"M": M, "N": N, "K": K, "dtype": DT_SHORT[dtype]}
+
+    def make_inputs(gen: torch.Generator, dev: str) -> tuple:
+        x = torch.randn(M, K, generator=gen, device=dev).to(dtype)
+        w = (torch.randn(N, K, generator=gen, device=dev) * 0.5).to(torch.float8_e4m3fn)
+        ws = torch.rand(N, generator=gen, device=dev) * 0.02 + 0.01
+        return x, w, ws
+
+    def check(impl: str, result: Any, inputs: tuple) -> dict[str, Any]:
+        x, w, ws = inputs
+        rows = min(M, 16)
+        ref = reference.fp8_quant_gemm(x[:rows], w, ws)
+        two = reference.fp8_quant_gemm_two_pass(x[:rows], w, ws).double()
+        err = _maxerr(result[:rows].double(), ref)
+        bound = 2 * _maxerr(two, ref) + 1e-2 * float(ref.abs().max())
+        return {"max_err": err, "bound": bound, "slice": f"rows 0..{rows - 1}", "ok": err <= bound}
+
+    impls = [Impl("redfuser", lambda x, w, ws: torch.ops.redfuser.fp8_quant_gemm(x, w, ws, None, None)),
+             Impl("eager", lambda x, w, ws: peers.quantise_then_mm(x, w, ws)),
+             Impl("compile", lambda x, w, ws: peers.compiled_quantise_then_mm()(x, w, ws))]
+    return Case("fp8_quant_gemm", "gemm", f"{DT_SHORT[dtype]} M{M} N{N} K{K}", params, dtype, flops, nbytes,
+                M * K * esize + N * K, make_inputs, impls, check, priority)
+
+
+def fp8_cases(device: str, size: str) -> list[Case]:
+    if device != "cpu":  # as mla_cases
+        return []
+    shapes = {"full": [(128, 4096, 4096), (1, 4096, 4096), (512, 2048, 2048)],
+              "quick": [(128, 4096, 4096), (1, 4096, 4096)], "tiny": [(17, 256, 512)]}[size]
+    return [fp8_case(M, N, K, torch.bfloat16, device, 4) for M, N, K in shapes]
+
+
+OPS = {"fused_attention": attention_cases, "moe_route": route_cases, "mla_decode": mla_cases,
+       "fp8_quant_gemm": fp8_cases}

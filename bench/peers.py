@@ -130,3 +130,45 @@ def _raise_dynamo_cache_limits() -> None:
     for name in ("accumulated_cache_size_limit", "accumulated_recompile_limit"):
         if hasattr(cfg, name):
             setattr(cfg, name, max(getattr(cfg, name), 1024))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# MLA decode and the fp8 quantised GEMM
+# ----------------------------------------------------------------------------------------------------------
+
+def absorbed_mla(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor, head_dim_v: int,
+                 scale: float) -> Tensor:
+    """Absorbed MLA decode in eager torch, in the inputs' dtype: each sequence's pages gathered into one
+    (B, L, 576) tensor, scores = q k^T (heads and query tokens as rows), keys past the sequence length masked,
+    softmax in fp32, out = p V with V the first head_dim_v channels of the same rows."""
+    B, Sq, Hq, Dqk = q.shape
+    rows = kv_cache[block_table.long()].reshape(B, -1, Dqk)  # B x (MB * page) x 576
+    s = torch.matmul(q.reshape(B, Sq * Hq, Dqk), rows.transpose(1, 2)) * scale
+    hidden = torch.arange(rows.shape[1], device=q.device)[None, :] >= cache_seqlens[:, None].long()
+    s = s.masked_fill(hidden[:, None, :], float("-inf"))
+    p = torch.softmax(s.float(), dim=-1).to(q.dtype)
+    return torch.matmul(p, rows[..., :head_dim_v]).reshape(B, Sq, Hq, head_dim_v)
+
+
+@functools.cache
+def compiled_absorbed_mla(head_dim_v: int, scale: float) -> Callable[..., Tensor]:
+    _raise_dynamo_cache_limits()
+
+    def mla(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor) -> Tensor:
+        return absorbed_mla(q, kv_cache, block_table, cache_seqlens, head_dim_v, scale)
+
+    return torch.compile(mla, dynamic=True)
+
+
+def quantise_then_mm(x: Tensor, w: Tensor, w_scale: Tensor) -> Tensor:
+    """Per-token fp8 quantisation in torch, then an fp32 GEMM against the decoded weight (the two-pass path)."""
+    xf = x.float()
+    s = torch.clamp(xf.abs().amax(dim=1, keepdim=True), min=1e-12) / 448.0
+    xq = torch.clamp(xf / s, -448.0, 448.0).to(torch.float8_e4m3fn).float()
+    return ((xq @ w.float().T) * s * w_scale.reshape(1, -1)).to(x.dtype)
+
+
+@functools.cache
+def compiled_quantise_then_mm() -> Callable[..., Tensor]:
+    _raise_dynamo_cache_limits()
+    return torch.compile(quantise_then_mm, dynamic=True)

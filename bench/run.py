@@ -179,7 +179,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--ops", default="fused_attention,moe_route", help="comma-separated ops (default: all)")
+    p.add_argument("--ops", default="fused_attention,moe_route,mla_decode,fp8_quant_gemm", help="comma-separated ops (default: all)")
     p.add_argument("--impls", default=None,
                    help="comma-separated implementations to time besides redfuser (default: all peers), e.g. "
                         "sdpa_flash,eager")

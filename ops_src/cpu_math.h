@@ -169,23 +169,23 @@ inline int64_t imod(int64_t a, int64_t b) {
 // ------------------------------------------------------------------------------------------ tile GEMM
 // C[m, n] (+)= sum_k A[m, k] * B[k, n] for m < M, n < N, all row-major with leading dimensions lda, ldb, ldc:
 // the contractions of a block of rows against a packed tile of the streamed operand (scores = Q_block x K_tile^T,
-// out += P x V_tile). Register-blocked: kGemmMR rows x 32 columns of C stay in vector registers (GCC vector
+// out += P x V_tile). Register-blocked: MR rows x 32 columns of C stay in vector registers (GCC vector
 // extensions: one zmm per 16 floats on AVX-512, two ymm on AVX2) while k runs, so each element of B is loaded
-// once per kGemmMR rows and each element of A once per 32 columns. Every row of B must have round_up(N, 32)
+// once per MR rows and each element of A once per 32 columns. Every row of B must have round_up(N, 32)
 // readable floats (packed tiles are allocated that wide; the extra columns are computed and dropped).
-// Inline, so that it is compiled for each target_clones variant of the kernel that calls it.
+// Inline (always), so that it is compiled for each target_clones variant of the kernel that calls it.
 typedef float vf16 __attribute__((vector_size(64)));
-inline vf16 load_vf16(const float* p) {
+__attribute__((always_inline)) inline vf16 load_vf16(const float* p) {
   vf16 v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline void store_vf16(float* p, vf16 v) { std::memcpy(p, &v, sizeof v); }
-constexpr int kGemmMR = 4;
+__attribute__((always_inline)) inline void store_vf16(float* p, vf16 v) { std::memcpy(p, &v, sizeof v); }
 
 template <int MR>
-inline void gemm_panel(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
-                       int64_t nv, bool accumulate) {
+__attribute__((always_inline)) inline void gemm_panel(int64_t K, const float* A, int64_t lda, const float* B,
+                                                      int64_t ldb, float* C, int64_t ldc, int64_t nv,
+                                                      bool accumulate) {
   vf16 c0[MR], c1[MR];
   for (int i = 0; i < MR; ++i) {
     c0[i] = vf16{};
@@ -218,19 +218,46 @@ inline void gemm_panel(int64_t K, const float* A, int64_t lda, const float* B, i
   }
 }
 
-inline void gemm_tile(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
-                      float* C, int64_t ldc, bool accumulate) {
+// MR rows at a time: 8 (16 accumulator registers) where the CPU has AVX-512's 32 vector registers, 4 otherwise
+// (AVX2 has 16 ymm registers: 8 rows x 32 columns would spill). Measured on a Zen 4 EPYC at 1 thread (tile
+// 32 x 64 x 128): 41 GFLOP/s with 4 rows, 47 with 8.
+template <int MR>
+__attribute__((always_inline)) inline void gemm_rows(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+                                                     const float* B, int64_t ldb, float* C, int64_t ldc,
+                                                     bool accumulate) {
   for (int64_t n0 = 0; n0 < N; n0 += 32) {  // one 32-column panel of B stays in L1 while the rows pass over it
     const int64_t nv = N - n0 < 32 ? N - n0 : 32;
     int64_t m = 0;
-    for (; m + kGemmMR <= M; m += kGemmMR)
-      gemm_panel<kGemmMR>(K, A + m * lda, lda, B + n0, ldb, C + m * ldc + n0, ldc, nv, accumulate);
+    for (; m + MR <= M; m += MR)
+      gemm_panel<MR>(K, A + m * lda, lda, B + n0, ldb, C + m * ldc + n0, ldc, nv, accumulate);
+    if (MR > 4 && m + 4 <= M) {
+      gemm_panel<4>(K, A + m * lda, lda, B + n0, ldb, C + m * ldc + n0, ldc, nv, accumulate);
+      m += 4;
+    }
     for (; m < M; ++m) gemm_panel<1>(K, A + m * lda, lda, B + n0, ldb, C + m * ldc + n0, ldc, nv, accumulate);
   }
 }
 
+inline bool has_avx512() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool yes = __builtin_cpu_supports("avx512f");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+__attribute__((always_inline)) inline void gemm_tile(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+                                                     const float* B, int64_t ldb, float* C, int64_t ldc,
+                                                     bool accumulate) {
+  if (has_avx512())
+    gemm_rows<8>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+  else
+    gemm_rows<4>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+}
+
 // whether a float is finite (bit test: -ffast-math cannot fold it away)
-inline bool is_finite_bits(float v) { return (float_bits(v) & 0x7F800000u) != 0x7F800000u; }
+__attribute__((always_inline)) inline bool is_finite_bits(float v) { return (float_bits(v) & 0x7F800000u) != 0x7F800000u; }
 
 // ------------------------------------------------------------------------------------------ selections
 // A selection keeps k entries sorted by: filled first, larger key first, NaN keys after all others,
