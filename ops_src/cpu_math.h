@@ -148,8 +148,9 @@ inline float sqrt(float x) { return std::sqrt(x); }
 inline float sigmoid(float x) { return 1.0f / (1.0f + redfuser::cpu::exp(-x)); }
 
 // max/min that propagate NaN (as torch.max and the engine's evaluator do)
-inline float max(float a, float b) { return (a != a || a > b) ? a : (b != b ? b : (a > b ? a : b)); }
-inline float min(float a, float b) { return (a != a || a < b) ? a : (b != b ? b : (a < b ? a : b)); }
+// (one select each, so that loops over them vectorise: b where b is NaN or at least a, unless a is NaN)
+inline float max(float a, float b) { return (a > b || a != a) ? a : b; }
+inline float min(float a, float b) { return (a < b || a != a) ? a : b; }
 inline int64_t max(int64_t a, int64_t b) { return a > b ? a : b; }
 inline int64_t min(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -173,14 +174,10 @@ inline int64_t imod(int64_t a, int64_t b) {
 // extensions: one zmm per 16 floats on AVX-512, two ymm on AVX2) while k runs, so each element of B is loaded
 // once per MR rows and each element of A once per 32 columns. Every row of B must have round_up(N, 32)
 // readable floats (packed tiles are allocated that wide; the extra columns are computed and dropped).
-// Inline (always), so that it is compiled for each target_clones variant of the kernel that calls it.
+// The panel and row loops are always inlined into one entry point per x86-64 level (gemm_tile_v4/_v3/_base,
+// chosen once at run time), so that each is compiled with its level's vector width: once per source file, not
+// once per kernel specialisation that calls it.
 typedef float vf16 __attribute__((vector_size(64)));
-__attribute__((always_inline)) inline vf16 load_vf16(const float* p) {
-  vf16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-__attribute__((always_inline)) inline void store_vf16(float* p, vf16 v) { std::memcpy(p, &v, sizeof v); }
 
 template <int MR>
 __attribute__((always_inline)) inline void gemm_panel(int64_t K, const float* A, int64_t lda, const float* B,
@@ -192,8 +189,9 @@ __attribute__((always_inline)) inline void gemm_panel(int64_t K, const float* A,
     c1[i] = vf16{};
   }
   for (int64_t k = 0; k < K; ++k) {
-    const vf16 b0 = load_vf16(B + k * ldb);
-    const vf16 b1 = load_vf16(B + k * ldb + 16);
+    vf16 b0, b1;
+    std::memcpy(&b0, B + k * ldb, sizeof b0);
+    std::memcpy(&b1, B + k * ldb + 16, sizeof b1);
     for (int i = 0; i < MR; ++i) {
       const float a = A[i * lda + k];
       c0[i] += a * b0;
@@ -202,17 +200,19 @@ __attribute__((always_inline)) inline void gemm_panel(int64_t K, const float* A,
   }
   for (int i = 0; i < MR; ++i) {
     float* c = C + i * ldc;
+    float t[32];
+    if (nv == 32 && accumulate) {
+      vf16 o0, o1;
+      std::memcpy(&o0, c, sizeof o0);
+      std::memcpy(&o1, c + 16, sizeof o1);
+      c0[i] += o0;
+      c1[i] += o1;
+    }
+    std::memcpy(t, &c0[i], sizeof c0[i]);
+    std::memcpy(t + 16, &c1[i], sizeof c1[i]);
     if (nv == 32) {
-      if (accumulate) {
-        c0[i] += load_vf16(c);
-        c1[i] += load_vf16(c + 16);
-      }
-      store_vf16(c, c0[i]);
-      store_vf16(c + 16, c1[i]);
+      std::memcpy(c, t, sizeof t);
     } else {
-      float t[32];
-      store_vf16(t, c0[i]);
-      store_vf16(t + 16, c1[i]);
       for (int64_t n = 0; n < nv; ++n) c[n] = accumulate ? c[n] + t[n] : t[n];
     }
   }
@@ -220,7 +220,7 @@ __attribute__((always_inline)) inline void gemm_panel(int64_t K, const float* A,
 
 // MR rows at a time: 8 (16 accumulator registers) where the CPU has AVX-512's 32 vector registers, 4 otherwise
 // (AVX2 has 16 ymm registers: 8 rows x 32 columns would spill). Measured on a Zen 4 EPYC at 1 thread (tile
-// 32 x 64 x 128): 41 GFLOP/s with 4 rows, 47 with 8.
+// 32 x 64 x 128, a loaded machine): 41 GFLOP/s with 4 rows, 47 with 8.
 template <int MR>
 __attribute__((always_inline)) inline void gemm_rows(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
                                                      const float* B, int64_t ldb, float* C, int64_t ldc,
@@ -238,23 +238,30 @@ __attribute__((always_inline)) inline void gemm_rows(int64_t M, int64_t N, int64
   }
 }
 
-inline bool has_avx512() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  static const bool yes = __builtin_cpu_supports("avx512f");
-  return yes;
-#else
-  return false;
-#endif
+#define REDFUSER_GEMM_ARGS                                                                                    \
+  int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc, \
+      bool accumulate
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target("arch=x86-64-v4"))) inline void gemm_tile_v4(REDFUSER_GEMM_ARGS) {
+  gemm_rows<8>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
 }
-
-__attribute__((always_inline)) inline void gemm_tile(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
-                                                     const float* B, int64_t ldb, float* C, int64_t ldc,
-                                                     bool accumulate) {
-  if (has_avx512())
-    gemm_rows<8>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+__attribute__((target("arch=x86-64-v3"))) inline void gemm_tile_v3(REDFUSER_GEMM_ARGS) {
+  gemm_rows<4>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+}
+inline void gemm_tile_base(REDFUSER_GEMM_ARGS) { gemm_rows<4>(M, N, K, A, lda, B, ldb, C, ldc, accumulate); }
+inline void gemm_tile(REDFUSER_GEMM_ARGS) {
+  static const int level = __builtin_cpu_supports("x86-64-v4") ? 4 : (__builtin_cpu_supports("x86-64-v3") ? 3 : 0);
+  if (level == 4)
+    gemm_tile_v4(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+  else if (level == 3)
+    gemm_tile_v3(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
   else
-    gemm_rows<4>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+    gemm_tile_base(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
 }
+#else
+inline void gemm_tile(REDFUSER_GEMM_ARGS) { gemm_rows<4>(M, N, K, A, lda, B, ldb, C, ldc, accumulate); }
+#endif
+#undef REDFUSER_GEMM_ARGS
 
 // whether a float is finite (bit test: -ffast-math cannot fold it away)
 __attribute__((always_inline)) inline bool is_finite_bits(float v) { return (float_bits(v) & 0x7F800000u) != 0x7F800000u; }

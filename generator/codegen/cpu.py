@@ -28,6 +28,7 @@ from .cpu_tiles import (
 )
 
 CHUNK = 64
+LANES = 16  # partial results of a branch-free reduction over a chunk (one vector of floats on AVX-512)
 UNROLL = 4  # elements of a chunk that share one pass over a contraction axis or a free axis
 # one copy of each kernel per x86-64 level, chosen at load time (glibc ifunc): AVX-512 / AVX2+FMA / baseline,
 # so that one wheel runs everywhere and the inner loops use the widest vectors the CPU has
@@ -710,19 +711,34 @@ class _Kernel:
 
     def element_loop(self, forms: list[ReductionForm], branch: bool) -> None:
         ir = self.ir
-        if not branch:  # vectorisable reductions into locals
+        if not branch:  # vectorisable reductions into LANES partial results (a sum and a NaN-propagating max alike)
             accs = {}
             for f in forms:
                 acc = self.fresh("acc")
                 accs[f.name] = acc
-                self.emit(f"float {acc} = {float_literal(float(f.neutral))};")
-            self.block("for (int64_t jj = 0; jj < cn; ++jj)")
+                neutral = float_literal(float(f.neutral))
+                self.emit(f"float {acc} = {neutral};")
+                self.emit(f"float {acc}_l[{LANES}];")
+                self.emit(f"for (int u = 0; u < {LANES}; ++u) {acc}_l[u] = {neutral};")
+            self.emit("int64_t jl = 0;")
+            self.block(f"for (; jl + {LANES} <= cn; jl += {LANES})")
+            self.block(f"for (int u = 0; u < {LANES}; ++u)")
+            self.emit("const int64_t jj = jl + u;")
+            terms = self.cse([f.term for f in forms])
+            for f, t in zip(forms, terms):
+                self.emit(f"{accs[f.name]}_l[u] = {self.fold(f.op, accs[f.name] + '_l[u]', self.pr.flt(t))};")
+            self.end()
+            self.end()
+            self.local = {}
+            self.block("for (int64_t jj = jl; jj < cn; ++jj)")
             terms = self.cse([f.term for f in forms])
             for f, t in zip(forms, terms):
                 self.emit(f"{accs[f.name]} = {self.fold(f.op, accs[f.name], self.pr.flt(t))};")
             self.end()
             for f in forms:
-                self.emit(f"st_{f.name} = {self.fold(f.op, f'st_{f.name}', accs[f.name])};")
+                acc = accs[f.name]
+                self.emit(f"for (int u = 0; u < {LANES}; ++u) {acc} = {self.fold(f.op, acc, acc + '_l[u]')};")
+                self.emit(f"st_{f.name} = {self.fold(f.op, f'st_{f.name}', acc)};")
             self.local = {}
             return
         keyed = [f for f in forms if f.name in self.key_arrays]

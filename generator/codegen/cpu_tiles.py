@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-RBLK = 32  # most rows of one block (the M side of the GEMM tiles)
+RBLK = 64  # most rows of one block (the M side of the GEMM tiles)
 NTILE = 256  # columns of a free index per packed tile of a GEMM fold
 
 
