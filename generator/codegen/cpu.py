@@ -712,6 +712,7 @@ class _Kernel:
     def element_loop(self, forms: list[ReductionForm], branch: bool) -> None:
         ir = self.ir
         if not branch:  # vectorisable reductions into LANES partial results (a sum and a NaN-propagating max alike)
+            self.block("")
             accs = {}
             for f in forms:
                 acc = self.fresh("acc")
@@ -739,6 +740,7 @@ class _Kernel:
                 acc = accs[f.name]
                 self.emit(f"for (int u = 0; u < {LANES}; ++u) {acc} = {self.fold(f.op, acc, acc + '_l[u]')};")
                 self.emit(f"st_{f.name} = {self.fold(f.op, f'st_{f.name}', acc)};")
+            self.end()
             self.local = {}
             return
         keyed = [f for f in forms if f.name in self.key_arrays]
