@@ -329,6 +329,15 @@ def emit_blocked(k, head: str) -> str:
             f"int64_t rb_n) {{\n{body}\n}}\n")
 
 
+def _any_live(k, flags: str) -> None:
+    """Open a block that runs only where some row of the run has some element of the chunk in `flags`: a chunk that
+    no row sees (causal attention past the diagonal) adds nothing, so its tile is neither packed nor multiplied."""
+    ch = _chunk()
+    k.emit("bool live = false;")
+    k.emit(f"for (int64_t q = r0; q < r1 && !live; ++q) for (int64_t jj = 0; jj < cn; ++jj) live = live || bel_{flags}[q * {ch} + jj];")
+    k.block("if (live)")
+
+
 def _first_row(k, flags: str, cond: str = "true") -> None:
     """rs = the first row of the run for which element jj is in `flags` (ok or cnt), or -1."""
     ch = _chunk()
@@ -341,6 +350,7 @@ def _pack_sum(k, g: GemmSum) -> None:
     c = g.c.name
     k.block("")
     k.emit(f"// {g.s}: the streamed factor packed once for the run, then one GEMM tile")
+    _any_live(k, "ok")
     k.block(f"for (int64_t jj = 0; jj < {ch}; ++jj)")
     _first_row(k, "ok", "jj < cn")
     k.block("if (rs < 0)")
@@ -355,6 +365,7 @@ def _pack_sum(k, g: GemmSum) -> None:
     buf = k.hoisted[g.key].split("[")[0]
     k.emit(f"rf::gemm_tile(r1 - r0, {ch}, ex_{c}, b{buf} + r0 * ex_{c}, ex_{c}, {g.pack}, {ch}, b{g.dots} + r0 * {ch}, "
            f"{ch}, false);")
+    k.end()
     k.end()
 
 
@@ -382,6 +393,7 @@ def _pack_fold(k, g: GemmFold, f) -> None:
     k.block("")
     k.emit(f"// fold of {g.name}: the streamed factor packed once per column tile for the run, then one GEMM tile")
     k.emit(f"const int64_t szf = {size};")
+    _any_live(k, "cnt")
     k.block(f"for (int64_t n0 = 0; n0 < ex_{n}; n0 += {NTILE})")
     k.emit(f"const int64_t nt = std::min<int64_t>({NTILE}, ex_{n} - n0);")
     k.emit("uint32_t bad = 0;  // a packed inf/NaN: fold element by element over counted elements only")
@@ -413,6 +425,7 @@ def _pack_fold(k, g: GemmFold, f) -> None:
     k.emit(f"float* acc = bst_{g.name} + q * szf + n0;")
     k.emit(f"const float* src = {g.pack} + jj * {NTILE};")
     k.emit("for (int64_t x = 0; x < nt; ++x) acc[x] = acc[x] + w * src[x];")
+    k.end()
     k.end()
     k.end()
     k.end()
