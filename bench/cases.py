@@ -206,6 +206,9 @@ def attention_cases(device: str, size: str) -> list[Case]:
     for B, H, Hk, Sk in decode:
         cases.append(attention_case(B, 1, Sk, H, Hk, 128 if size != "tiny" else 64, dtypes[0], False, device,
                                     "decode", peer_names, 1))
+    if device == "cpu" and size != "tiny":  # the shape of issue 14's table: B1 S1024 H8 D128, fp32 and bf16
+        for dtype in dtypes:
+            cases.append(attention_case(1, 1024, 1024, 8, 8, 128, dtype, False, device, "prefill", peer_names, 0))
     return cases
 
 
@@ -327,7 +330,7 @@ def route_case(router_name: str, T: int, dtype: torch.dtype, device: str, peer_n
 
 def route_cases(device: str, size: str) -> list[Case]:
     tokens = {"cuda": {"full": [1, 64, 1024, 16384], "quick": [1, 64, 1024, 16384], "tiny": [1, 64]},
-              "cpu": {"full": [1, 64, 1024, 4096], "quick": [1, 64, 1024], "tiny": [1, 64]}}[device][size]
+              "cpu": {"full": [1, 64, 1024, 4096], "quick": [1, 64, 1024, 4096], "tiny": [1, 64]}}[device][size]
     routers = list(ROUTERS) if size != "tiny" else ["e64-top6-softmax", "dsv3-e256-top8-sigmoid-bias-g8k4"]
     peer_names = ["eager", "compile"]
     cases = []

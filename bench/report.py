@@ -103,6 +103,11 @@ def markdown(data: dict) -> str:
         (f"- redfuser-ops {ver.get('redfuser_ops')} (git {ver.get('git')}), torch {ver.get('torch')}, "
          f"CUDA {ver.get('cuda')}, Python {ver.get('python')}; arch families in the library: {families}"),
         f"- command: `python -m bench.run {' '.join(opt.get('argv') or [])}`",
+    ]
+    vector = [f for f in dev.get("cpu_flags") or [] if f.startswith(("avx", "amx", "fma", "f16c", "sse4"))]
+    if vector:
+        lines.append(f"- CPU vector flags: {' '.join(vector)} (all {len(dev['cpu_flags'])} flags in results.json)")
+    lines += [
         "",
     ]
     c = data.get("ceilings", {})

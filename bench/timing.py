@@ -124,6 +124,18 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_flags() -> list[str]:
+    """The CPU's feature flags (lscpu's "Flags", from /proc/cpuinfo), so that results name the vector units."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    return []
+
+
 def last_level_cache_bytes(device: str) -> int:
     if device == "cuda":
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
@@ -152,6 +164,7 @@ def describe(device: str) -> dict[str, Any]:
                  memory_bytes=p.total_memory)
     else:
         d["name"] = cpu_model()
+        d["cpu_flags"] = cpu_flags()
     return d
 
 

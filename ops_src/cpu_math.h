@@ -148,8 +148,9 @@ inline float sqrt(float x) { return std::sqrt(x); }
 inline float sigmoid(float x) { return 1.0f / (1.0f + redfuser::cpu::exp(-x)); }
 
 // max/min that propagate NaN (as torch.max and the engine's evaluator do)
-inline float max(float a, float b) { return (a != a || a > b) ? a : (b != b ? b : (a > b ? a : b)); }
-inline float min(float a, float b) { return (a != a || a < b) ? a : (b != b ? b : (a < b ? a : b)); }
+// (one select each, so that loops over them vectorise: b where b is NaN or at least a, unless a is NaN)
+inline float max(float a, float b) { return (a > b || a != a) ? a : b; }
+inline float min(float a, float b) { return (a < b || a != a) ? a : b; }
 inline int64_t max(int64_t a, int64_t b) { return a > b ? a : b; }
 inline int64_t min(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -165,6 +166,105 @@ inline int64_t imod(int64_t a, int64_t b) {
   const int64_t r = a % b;
   return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
 }
+
+// ------------------------------------------------------------------------------------------ tile GEMM
+// C[m, n] (+)= sum_k A[m, k] * B[k, n] for m < M, n < N, all row-major with leading dimensions lda, ldb, ldc:
+// the contractions of a block of rows against a packed tile of the streamed operand (scores = Q_block x K_tile^T,
+// out += P x V_tile). Register-blocked: MR rows x 32 columns of C stay in vector registers (GCC vector
+// extensions: one zmm per 16 floats on AVX-512, two ymm on AVX2) while k runs, so each element of B is loaded
+// once per MR rows and each element of A once per 32 columns. Every row of B must have round_up(N, 32)
+// readable floats (packed tiles are allocated that wide; the extra columns are computed and dropped).
+// The panel and row loops are always inlined into one entry point per x86-64 level (gemm_tile_v4/_v3/_base,
+// chosen once at run time), so that each is compiled with its level's vector width: once per source file, not
+// once per kernel specialisation that calls it.
+typedef float vf16 __attribute__((vector_size(64)));
+
+template <int MR>
+__attribute__((always_inline)) inline void gemm_panel(int64_t K, const float* A, int64_t lda, const float* B,
+                                                      int64_t ldb, float* C, int64_t ldc, int64_t nv,
+                                                      bool accumulate) {
+  vf16 c0[MR], c1[MR];
+  for (int i = 0; i < MR; ++i) {
+    c0[i] = vf16{};
+    c1[i] = vf16{};
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    vf16 b0, b1;
+    std::memcpy(&b0, B + k * ldb, sizeof b0);
+    std::memcpy(&b1, B + k * ldb + 16, sizeof b1);
+    for (int i = 0; i < MR; ++i) {
+      const float a = A[i * lda + k];
+      c0[i] += a * b0;
+      c1[i] += a * b1;
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    float* c = C + i * ldc;
+    float t[32];
+    if (nv == 32 && accumulate) {
+      vf16 o0, o1;
+      std::memcpy(&o0, c, sizeof o0);
+      std::memcpy(&o1, c + 16, sizeof o1);
+      c0[i] += o0;
+      c1[i] += o1;
+    }
+    std::memcpy(t, &c0[i], sizeof c0[i]);
+    std::memcpy(t + 16, &c1[i], sizeof c1[i]);
+    if (nv == 32) {
+      std::memcpy(c, t, sizeof t);
+    } else {
+      for (int64_t n = 0; n < nv; ++n) c[n] = accumulate ? c[n] + t[n] : t[n];
+    }
+  }
+}
+
+// MR rows at a time: 8 (16 accumulator registers) where the CPU has AVX-512's 32 vector registers, 4 otherwise
+// (AVX2 has 16 ymm registers: 8 rows x 32 columns would spill). Measured on a Zen 4 EPYC at 1 thread (tile
+// 32 x 64 x 128, a loaded machine): 41 GFLOP/s with 4 rows, 47 with 8.
+template <int MR>
+__attribute__((always_inline)) inline void gemm_rows(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+                                                     const float* B, int64_t ldb, float* C, int64_t ldc,
+                                                     bool accumulate) {
+  for (int64_t n0 = 0; n0 < N; n0 += 32) {  // one 32-column panel of B stays in L1 while the rows pass over it
+    const int64_t nv = N - n0 < 32 ? N - n0 : 32;
+    int64_t m = 0;
+    for (; m + MR <= M; m += MR)
+      gemm_panel<MR>(K, A + m * lda, lda, B + n0, ldb, C + m * ldc + n0, ldc, nv, accumulate);
+    if (MR > 4 && m + 4 <= M) {
+      gemm_panel<4>(K, A + m * lda, lda, B + n0, ldb, C + m * ldc + n0, ldc, nv, accumulate);
+      m += 4;
+    }
+    for (; m < M; ++m) gemm_panel<1>(K, A + m * lda, lda, B + n0, ldb, C + m * ldc + n0, ldc, nv, accumulate);
+  }
+}
+
+#define REDFUSER_GEMM_ARGS                                                                                    \
+  int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc, \
+      bool accumulate
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target("arch=x86-64-v4"))) inline void gemm_tile_v4(REDFUSER_GEMM_ARGS) {
+  gemm_rows<8>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+}
+__attribute__((target("arch=x86-64-v3"))) inline void gemm_tile_v3(REDFUSER_GEMM_ARGS) {
+  gemm_rows<4>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+}
+inline void gemm_tile_base(REDFUSER_GEMM_ARGS) { gemm_rows<4>(M, N, K, A, lda, B, ldb, C, ldc, accumulate); }
+inline void gemm_tile(REDFUSER_GEMM_ARGS) {
+  static const int level = __builtin_cpu_supports("x86-64-v4") ? 4 : (__builtin_cpu_supports("x86-64-v3") ? 3 : 0);
+  if (level == 4)
+    gemm_tile_v4(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+  else if (level == 3)
+    gemm_tile_v3(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+  else
+    gemm_tile_base(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+}
+#else
+inline void gemm_tile(REDFUSER_GEMM_ARGS) { gemm_rows<4>(M, N, K, A, lda, B, ldb, C, ldc, accumulate); }
+#endif
+#undef REDFUSER_GEMM_ARGS
+
+// whether a float is finite (bit test: -ffast-math cannot fold it away)
+__attribute__((always_inline)) inline bool is_finite_bits(float v) { return (float_bits(v) & 0x7F800000u) != 0x7F800000u; }
 
 // ------------------------------------------------------------------------------------------ selections
 // A selection keeps k entries sorted by: filled first, larger key first, NaN keys after all others,

@@ -18,8 +18,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _row_loop_bodies(src: str) -> list[str]:
-    """The text of each kernel from its row loop on (what runs per row)."""
+    """The text of each kernel from its row loop (or its loop over blocks of rows) on."""
     return [part.split("for (int64_t row = row_begin;", 1)[1] for part in src.split("static void rows_case")[1:]]
+
+
+def _block_loop_bodies(src: str) -> list[str]:
+    return [part.split("for (int64_t blk = blk_begin;", 1)[1] for part in src.split("static void blocks_case")[1:]]
 
 
 def test_moe_route_group_of_expert_is_tabled_once_per_call():
@@ -50,35 +54,48 @@ def _masked_spec_source() -> str:
 
 def test_division_under_a_mask_is_not_tabled():
     src = _masked_spec_source()
-    row = _row_loop_bodies(src)[0]
+    row = _block_loop_bodies(src)[0]
     assert "tab_jb" not in src  # a division is evaluated only where the mask holds...
     assert re.search(r"if \(ok\) \{[^}]*el_jb\[jj\] = rf::idiv\(ix_j, int64_t\(2\)\);", row)
     assert "tab_jm[ix_j] = rf::imod(ix_j, int64_t(3));" in src  # ...unless the mask reads it: then for every element
 
 
 def test_lets_read_by_the_mask_are_computed_before_it():
-    row = _row_loop_bodies(_masked_spec_source())[0]
+    row = _block_loop_bodies(_masked_spec_source())[0]
     assert row.index("el_jm[jj] = tab_jm[ix_j];") < row.index("const bool ok = ")
     assert row.index("const bool ok = ") < row.index("el_jb[jj] = rf::idiv(")
 
 
-def test_attention_contraction_and_weighted_sum_are_blocked():
+def test_attention_contraction_and_weighted_sum_are_gemm_tiles():
     src = cpu_source(derive(load_spec(ROOT / "specs" / "fused_attention.yaml")), "fused_attention_cpu.h")
-    for body in _row_loop_bodies(src):
-        # q . k: four keys per pass over c where the mask holds for all four, the others one at a time
-        assert "if (el_ok[jb + 0] && el_ok[jb + 1] && el_ok[jb + 2] && el_ok[jb + 3])" in body
-        assert re.search(r"d3 \+= \(rf::ld\(t_k\[.*\(ix_j_3\) \* st_k\[1\]", body)
-        assert "if (!el_ok[jj]) continue;" in body
-        # the score reads the blocked dot; no second dot product per key
+    assert "static void rows_case" not in src
+    for body in _block_loop_bodies(src):
+        # rows are walked with the K/V indices (b, and h through the GQA head g) outermost; runs share the key
+        assert "walked in the order (b, h, i)" in body
+        assert "rkey[rb * 2 + 0] = static_cast<double>(ix_b);" in body
+        assert "rkey[rb * 2 + 1] = static_cast<double>(lt_g);" in body
+        # q . k: K packed once per chunk for the run ([c][element]), then one GEMM tile against the q rows
+        assert re.search(r"pk\d+\[ix_c \* 64 \+ jj\] = rf::ld\(t_k\[", body)
+        assert re.search(r"rf::gemm_tile\(r1 - r0, 64, ex_c, browbuf\d+ \+ r0 \* ex_c, ex_c, pk\d+, 64, bdots\d+", body)
         assert re.search(r"el_s\[jj\] = \(p_softmax_scale \* dots\d+\[jj\]\);", body)
         assert not re.search(r"float dot\d+ = 0.0f;", body)
-        # o[d] += p_j v[j, d]: p for the chunk in one loop, four keys per pass over d
-        assert re.search(r"elw\d+\[jj\] = rf::exp\(", body)
-        assert re.search(r"st_o\[ix_d\] = st_o\[ix_d\] \+ w\d+ \* rf::ld\(t_v\[.*ix_j_0.*\+ w\d+ \* rf::ld\(t_v\[.*ix_j_3", body)
+        # o[d] += p_j v[j, d]: the weights per row (0 where not counted), then V packed once and one GEMM tile
+        assert re.search(r"wts\d+\[jj\] = el_cnt\[jj\] \? v : 0.0f;", body)
+        assert re.search(r"rf::gemm_tile\(r1 - r0, nt, cn, bwts\d+ \+ r0 \* 64, 64, pk\d+, 256, bst_o", body)
+        # the correction is applied per row before the tile is folded in
+        assert body.index("st_o[r] = st_o[r] * cr_o") < body.index("rf::gemm_tile(r1 - r0, nt, cn")
+
+
+def test_fp8_weight_decoded_once_per_tile():
+    src = cpu_source(derive(load_spec(ROOT / "specs" / "fp8_quant_gemm.yaml")), "fp8_quant_gemm_cpu.h")
+    for body in _block_loop_bodies(src):
+        assert "walked in the order (m)" in body  # the weight ignores m: one run per block
+        assert re.search(r"dst\[ix_n - n0\] = v;", body) and "rf::ld(t_w[" in body
+        assert body.count("rf::ld(t_w[") == 1  # read only where the tile is packed
 
 
 def test_masked_spec_keeps_per_element_order():
-    """The blocked contraction is computed after the lets it reads and before the lets that read it."""
-    row = _row_loop_bodies(_masked_spec_source())[0]
+    """The contraction tile is computed after the lets it reads and before the lets that read it."""
+    row = _block_loop_bodies(_masked_spec_source())[0]
     use = re.search(r"el_s\[jj\] = .*dots\d+\[jj\]", row)
-    assert use and row.index("const bool ok = ") < row.index("d0 += ") < use.start()
+    assert use and row.index("const bool ok = ") < row.index("rf::gemm_tile(") < use.start()

@@ -142,3 +142,33 @@ def test_empty_inputs():
     out, lse = torch.ops.redfuser.fused_attention(torch.randn(1, 4, 2, 64), torch.randn(1, 0, 2, 64),
                                                   torch.randn(1, 0, 2, 64))
     assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+
+
+def test_cpu_blocks_keep_masked_infinities_out_of_other_rows():
+    """CPU kernels run blocks of query rows against one packed K/V tile. Causal, Sq = Sk: only the last query row
+    sees the last key; an inf in that key's value must reach that row and no other row of its block (a row that does
+    not count a key multiplies it by a weight of 0, and 0 * inf is NaN)."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = strided_inputs(1, 40, 40, 4, 2, 64, torch.float32, "cpu", gen)
+    v = v.clone()
+    v[:, -1, :, 5] = float("inf")
+    out, lse = torch.ops.redfuser.fused_attention(q, k, v, True, None)
+    r_out, _ = ref.fused_attention(q[:, :-1], k[:, :-1], v[:, :-1], True, None, dtype=torch.float64)
+    assert torch.isfinite(out[:, :-1]).all()
+    assert (out[:, :-1].double() - r_out).abs().max().item() <= 1e-5
+    assert not torch.isfinite(out[:, -1, :, 5]).any() and torch.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_cpu_row_blocks_across_threads(threads):
+    """Blocks of rows are cut in the order (b, kv head, query) and split into runs that share a K/V head: GQA with
+    a short query length puts several heads and batches into one block; every thread count gives the same rows."""
+    gen = torch.Generator().manual_seed(4)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for Sq, Sk, H, Hk in [(3, 77, 8, 2), (1, 130, 6, 1), (45, 45, 2, 2)]:
+            q, k, v = strided_inputs(3, Sq, Sk, H, Hk, 64, torch.float32, "cpu", gen)
+            judge(q, k, v, Sq > 1)
+    finally:
+        torch.set_num_threads(old)

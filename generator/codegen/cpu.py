@@ -18,8 +18,17 @@ from ..symbolic.algebra import MONOIDS
 from ..symbolic.expr import entrysum, idiv, is_bool, isin
 from ..symbolic.forms import Analysis, OpAnalysis, ReductionForm, element_atoms
 from .cpp import CppPrinter, float_literal
+from .cpu_tiles import (
+    RBLK,
+    block_dispatch,
+    block_plan,
+    block_storage,
+    emit_blocked,
+    emit_fold_weights,
+)
 
 CHUNK = 64
+LANES = 16  # partial results of a branch-free reduction over a chunk (one vector of floats on AVX-512)
 UNROLL = 4  # elements of a chunk that share one pass over a contraction axis or a free axis
 # one copy of each kernel per x86-64 level, chosen at load time (glibc ifunc): AVX-512 / AVX2+FMA / baseline,
 # so that one wheel runs everywhere and the inner loops use the widest vectors the CPU has
@@ -116,6 +125,7 @@ class _Kernel:
         self.floats = set(float_inputs(spec))
         self.tabled = self.row_invariant_lets()
         self.key_arrays = {f.name for f in a.reductions if f.stage == "stream" and self.precomputed_key(f)}
+        self.plan = block_plan(self)
         for f in a.reductions:
             for d in f.online_deps:
                 dep = a.form(d)
@@ -224,8 +234,10 @@ class _Kernel:
     # ------------------------------------------------------------------ the function
     def function(self, template: list[str]) -> str:
         ir = self.ir
-        name = f"rows_case{self.index}"
         head = f"template <{', '.join('class ' + t for t in template)}>\n" if template else ""
+        if self.plan is not None:
+            return emit_blocked(self, head)
+        name = f"rows_case{self.index}"
         self.lines = []
         self.preamble()
         self.block("for (int64_t row = row_begin; row < row_end; ++row)")
@@ -274,10 +286,22 @@ class _Kernel:
                 for p in f.payloads:
                     self.emit(f"std::vector<float> buf_{f.name}_pl_{p.name}({total});")
                     self.emit(f"float* st_{f.name}_pl_{p.name} = buf_{f.name}_pl_{p.name}.data();")
+            elif self.plan is not None:  # one state per row of a block, bound per row (cpu_tiles.bind_row)
+                self.emit(f"std::vector<float> buf_{f.name}(({size}) * {RBLK});")
+                self.emit(f"float* bst_{f.name} = buf_{f.name}.data();")
             elif f.free:
                 self.emit(f"std::vector<float> buf_{f.name}({size});")
                 self.emit(f"float* st_{f.name} = buf_{f.name}.data();")
-        # element arrays of a chunk
+        if self.plan is not None:
+            block_storage(self)
+        else:
+            self.chunk_storage()
+        self.hoist_buffers()
+        self.let_tables()
+
+    def chunk_storage(self) -> None:
+        """Element arrays of one chunk of one row."""
+        ir = self.ir
         for let in ir.element_lets:
             ty = "int64_t" if let.symbol.is_integer else "float"
             self.emit(f"{ty} el_{let.name}[{CHUNK}];")
@@ -286,8 +310,6 @@ class _Kernel:
         for f in self.a.reductions:
             if f.name in self.key_arrays:
                 self.emit(f"float elk_{f.name}[{CHUNK}];  // selection keys of a chunk, computed branch-free")
-        self.hoist_buffers()
-        self.let_tables()
 
     def row_invariant_lets(self) -> set[str]:
         """Element lets that depend on the reduction index and on sizes and scalar arguments only (the expert group
@@ -332,9 +354,23 @@ class _Kernel:
 
     def hoist_buffers(self) -> None:
         """Row-invariant factors of contractions (the q row of q . k) are converted once per row."""
+        self.hoist_fill: list[tuple[str, sp.Indexed, sp.Symbol, str]] = []
+        for fac, c, key in self.hoist_targets():
+            buf = self.fresh("rowbuf")
+            if self.plan is not None:  # one row of the factor per row of a block
+                self.emit(f"std::vector<float> {buf}_v(ex_{c.name} * {RBLK});")
+                self.emit(f"float* b{buf} = {buf}_v.data();")
+            else:
+                self.emit(f"std::vector<float> {buf}_v(ex_{c.name});")
+                self.emit(f"float* {buf} = {buf}_v.data();")
+            self.hoisted[key] = f"{buf}[ix_{c.name}]"
+            self.hoist_fill.append((buf, fac, c, key))
+
+    def hoist_targets(self) -> list[tuple[sp.Indexed, sp.Symbol, tuple]]:
+        """(factor, contraction index, key) of each row-invariant contraction factor, once per key."""
         ir = self.ir
         over = ir.indices[ir.over]
-        self.hoist_fill: list[tuple[str, sp.Indexed, sp.Symbol, str]] = []
+        out: list[tuple[sp.Indexed, sp.Symbol, tuple]] = []
         for let in ir.element_lets:
             for s in let.expr.atoms(sp.Sum):
                 c = s.limits[0][0]
@@ -348,13 +384,9 @@ class _Kernel:
                     if any(d not in ir.rows and d != c.name for d in deps):
                         continue
                     key = (str(fac.base.label), tuple(fac.indices))
-                    if key in self.hoisted:
-                        continue
-                    buf = self.fresh("rowbuf")
-                    self.emit(f"std::vector<float> {buf}_v(ex_{c.name});")
-                    self.emit(f"float* {buf} = {buf}_v.data();")
-                    self.hoisted[key] = f"{buf}[ix_{c.name}]"
-                    self.hoist_fill.append((buf, fac, c, key))
+                    if all(key != x[2] for x in out):
+                        out.append((fac, c, key))
+        return out
 
     def index_deps(self, e: sp.Basic) -> set[str]:
         ir = self.ir
@@ -402,17 +434,7 @@ class _Kernel:
             self.block(f"for (int64_t c0 = 0; c0 < ex_{self.ir.over}; c0 += {CHUNK})")
             self.emit(f"const int64_t cn = std::min<int64_t>({CHUNK}, ex_{self.ir.over} - c0);")
             self.element_prologue(forms)
-            for f in forms:
-                if not f.free and not f.selection:
-                    self.emit(f"const float st_{f.name}_old = st_{f.name};")
-                    self.emit_guard(f.name, "old")
-            for level in self.levels(forms):
-                self.run_level(level)
-                for f in level:
-                    if not f.free and not f.selection:
-                        self.emit(f"const float st_{f.name}_new = st_{f.name};")
-                        self.emit_guard(f.name, "new")
-                        self.emit(f"(void)st_{f.name}_new; (void)st_{f.name}_old;")
+            self.chunk_levels(forms)
             self.end()
         for f in forms:
             if not f.free and not f.selection:
@@ -420,6 +442,20 @@ class _Kernel:
         for f in a.reductions:
             if f.stage == "epilogue" and f.pass_no == number:
                 self.epilogue(f)
+
+    def chunk_levels(self, forms: list[ReductionForm]) -> None:
+        """The states of a pass updated with one chunk, level by level (old/new values and their guards)."""
+        for f in forms:
+            if not f.free and not f.selection:
+                self.emit(f"const float st_{f.name}_old = st_{f.name};")
+                self.emit_guard(f.name, "old")
+        for level in self.levels(forms):
+            self.run_level(level)
+            for f in level:
+                if not f.free and not f.selection:
+                    self.emit(f"const float st_{f.name}_new = st_{f.name};")
+                    self.emit_guard(f.name, "new")
+                    self.emit(f"(void)st_{f.name}_new; (void)st_{f.name}_old;")
 
     def emit_guard(self, name: str, role: str | None) -> None:
         g = self.a.guard(name)
@@ -442,6 +478,8 @@ class _Kernel:
         if f.free:
             size = " * ".join(f"ex_{n}" for n in f.free)
             self.emit(f"std::fill(st_{f.name}, st_{f.name} + {size}, {neutral});")
+        elif self.plan is not None:  # a reference into the block's state array
+            self.emit(f"st_{f.name} = {neutral};")
         else:
             self.emit(f"float st_{f.name} = {neutral};")
 
@@ -450,12 +488,43 @@ class _Kernel:
         where the mask holds) and the counted flags. Contractions (the q . k of attention) are computed for UNROLL
         elements at a time where the mask holds for all of them (one pass over the contraction axis feeds UNROLL
         accumulators, so the row-invariant factor is loaded once for all); the lets that read them follow."""
-        ir, a = self.ir, self.a
         lets = self.sorted_element_lets()
         first = self.mask_lets()
         rest = [x for x in lets if x.name not in first]
         late = self.contraction_lets(rest) or set()
         self.block("for (int64_t jj = 0; jj < cn; ++jj)")
+        self.mask_and_early_lets(late)
+        if late:
+            self.end()
+            sums = sorted({s for x in rest if x.name in late for s in x.expr.atoms(sp.Sum)}, key=str)
+            bufs = {s: self.blocked_contraction(s) for s in sums}
+            self.block("for (int64_t jj = 0; jj < cn; ++jj)")
+            self.late_lets(late, bufs)
+        self.emit(f"el_cnt[jj] = {self.counted()};  // && short-circuits: masked elements are not read")
+        self.end()
+
+    def late_lets(self, late: set[str], bufs: dict) -> None:
+        """Inside a loop over jj: where the mask holds, the lets in `late`, reading contraction sums from `bufs`."""
+        ir = self.ir
+        self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
+        self.emit(f"(void)ix_{ir.over};")
+        self.emit("const bool ok = el_ok[jj];")
+        self.block("if (ok)")
+        saved = dict(self.local)
+        self.local.update({s: f"{buf}[jj]" for s, buf in bufs.items()})
+        for let in self.sorted_element_lets():
+            if let.name in late:
+                self.emit_let(let)
+        self.local = saved
+        self.end()
+
+    def mask_and_early_lets(self, late: set[str]) -> None:
+        """Inside a loop over jj: the mask lets, the mask (el_ok), the mask values of the other element lets and,
+        where the mask holds, the lets that are not in `late`."""
+        ir, a = self.ir, self.a
+        lets = self.sorted_element_lets()
+        first = self.mask_lets()
+        rest = [x for x in lets if x.name not in first]
         self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
         for let in lets:
             if let.name in first:
@@ -472,27 +541,13 @@ class _Kernel:
             for let in early:
                 self.emit_let(let)
             self.end()
-        if late:
-            self.end()
-            sums = sorted({s for x in rest if x.name in late for s in x.expr.atoms(sp.Sum)}, key=str)
-            bufs = {s: self.blocked_contraction(s) for s in sums}
-            self.block("for (int64_t jj = 0; jj < cn; ++jj)")
-            self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
-            self.emit(f"(void)ix_{ir.over};")
-            self.emit("const bool ok = el_ok[jj];")
-            self.block("if (ok)")
-            saved = dict(self.local)
-            self.local.update({s: f"{buf}[jj]" for s, buf in bufs.items()})
-            for let in rest:
-                if let.name in late:
-                    self.emit_let(let)
-            self.local = saved
-            self.end()
+
+    def counted(self) -> str:
+        """Whether element jj (where ok) is counted by the non-selection reductions: not at a mask value."""
         counted = "ok"
-        for atom, value in a.mask_value.items():
+        for atom, value in self.a.mask_value.items():
             counted += f" && !({self.pr(atom)} == {float_literal(float(value))})"
-        self.emit(f"el_cnt[jj] = {counted};  // && short-circuits: masked elements are not read")
-        self.end()
+        return counted
 
     def contraction_lets(self, lets: list) -> set[str] | None:
         """The lets holding a contraction or reading one (through other lets), when every contraction's summand
@@ -625,13 +680,17 @@ class _Kernel:
     def run_level(self, level: list[ReductionForm]) -> None:
         for f in level:
             self.correct(f)
-        scalar = [f for f in level if not f.selection and not f.free and not f.term.atoms(sp.Indexed)
-                  and self.a.mask_value and f.where in (sp.true, True)]
-        rest = [f for f in level if f not in scalar]
+        scalar, rest = self.level_split(level)
         if scalar:  # branch-free: masked elements hold the mask value and contribute the neutral element
             self.element_loop(scalar, branch=False)
         if rest:
             self.element_loop(rest, branch=True)
+
+    def level_split(self, level: list[ReductionForm]) -> tuple[list[ReductionForm], list[ReductionForm]]:
+        """(branch-free scalar sums and maxima, the others) of one level."""
+        scalar = [f for f in level if not f.selection and not f.free and not f.term.atoms(sp.Indexed)
+                  and self.a.mask_value and f.where in (sp.true, True)]
+        return scalar, [f for f in level if f not in scalar]
 
     def correct(self, f: ReductionForm) -> None:
         kinds = [(f.kind, f.correction, None)] + [(p.kind, p.correction, p.name) for p in f.payloads]
@@ -653,19 +712,36 @@ class _Kernel:
 
     def element_loop(self, forms: list[ReductionForm], branch: bool) -> None:
         ir = self.ir
-        if not branch:  # vectorisable reductions into locals
+        if not branch:  # vectorisable reductions into LANES partial results (a sum and a NaN-propagating max alike)
+            self.block("")
             accs = {}
             for f in forms:
                 acc = self.fresh("acc")
                 accs[f.name] = acc
-                self.emit(f"float {acc} = {float_literal(float(f.neutral))};")
-            self.block("for (int64_t jj = 0; jj < cn; ++jj)")
+                neutral = float_literal(float(f.neutral))
+                self.emit(f"float {acc} = {neutral};")
+                self.emit(f"float {acc}_l[{LANES}];")
+                self.emit(f"for (int u = 0; u < {LANES}; ++u) {acc}_l[u] = {neutral};")
+            self.emit("int64_t jl = 0;")
+            self.block(f"for (; jl + {LANES} <= cn; jl += {LANES})")
+            self.block(f"for (int u = 0; u < {LANES}; ++u)")
+            self.emit("const int64_t jj = jl + u;")
+            terms = self.cse([f.term for f in forms])
+            for f, t in zip(forms, terms):
+                self.emit(f"{accs[f.name]}_l[u] = {self.fold(f.op, accs[f.name] + '_l[u]', self.pr.flt(t))};")
+            self.end()
+            self.end()
+            self.local = {}
+            self.block("for (int64_t jj = jl; jj < cn; ++jj)")
             terms = self.cse([f.term for f in forms])
             for f, t in zip(forms, terms):
                 self.emit(f"{accs[f.name]} = {self.fold(f.op, accs[f.name], self.pr.flt(t))};")
             self.end()
             for f in forms:
-                self.emit(f"st_{f.name} = {self.fold(f.op, f'st_{f.name}', accs[f.name])};")
+                acc = accs[f.name]
+                self.emit(f"for (int u = 0; u < {LANES}; ++u) {acc} = {self.fold(f.op, acc, acc + '_l[u]')};")
+                self.emit(f"st_{f.name} = {self.fold(f.op, f'st_{f.name}', acc)};")
+            self.end()
             self.local = {}
             return
         keyed = [f for f in forms if f.name in self.key_arrays]
@@ -676,6 +752,9 @@ class _Kernel:
             for f in keyed:
                 self.emit(f"elk_{f.name}[jj] = {self.pr.flt(f.term)};")
             self.end()
+        if self.plan is not None and len(forms) == 1 and forms[0].name in self.plan.folds:
+            emit_fold_weights(self, self.plan.folds[forms[0].name])
+            return
         split = self.blockable_fold(forms)
         if split is None:
             self.element_body(forms, "0", "cn")
@@ -981,13 +1060,18 @@ def cpu_source(op: OpAnalysis, header_name: str) -> str:
         "namespace rf = redfuser::cpu;",
         "",
     ]
-    for n, a in enumerate(op.cases):
-        out.append(_Kernel(spec, a, n, types).function(template))
-    # dispatch: case by flags, then element types, then rows in parallel
+    kernels = [_Kernel(spec, a, n, types) for n, a in enumerate(op.cases)]
+    for k in kernels:
+        out.append(k.function(template))
+    # dispatch: case by flags, then element types, then rows (or blocks of rows) in parallel
     out.append("void run_cpu(const Args& A) {")
     for n, a in enumerate(op.cases):
-        call = f"rows_case{n}<{', '.join(template)}>" if template else f"rows_case{n}"
-        body = f"redfuser::parallel_rows(A.rows, grain, [&](int64_t b, int64_t e) {{ {call}(A, b, e); }});"
+        targs = f"<{', '.join(template)}>" if template else ""
+        if kernels[n].plan is not None:
+            body = block_dispatch(f"blocks_case{n}{targs}")
+        else:
+            body = (f"redfuser::parallel_rows(A.rows, grain, [&](int64_t b, int64_t e) {{ rows_case{n}{targs}(A, b, e); "
+                    "});")
         for p in reversed(params):
             allowed = ", ".join(CPP_TYPES[d] for d in p.dtypes)
             body = (f"rf::with_type<{allowed}>(\"{spec.name}\", \"{p.field[3:]}\", A.{p.field}, [&](auto tag_{p.name}) {{ "

@@ -1,0 +1,441 @@
+"""Row blocks and GEMM tiles for the generated CPU kernels (the block mode of cpu._Kernel).
+
+A row kernel loads every element of a streamed operand (attention's K and V, the MLA cache, the fp8 weight) once
+per row. Where the engine's forms let several rows share that operand, the kernel runs a block of rows at a time
+instead, and a chunk of the reduction axis per step:
+
+- which rows share it is read off the IR: the streamed factors of the contractions and folds depend on some row
+  indices (K[b, j, g, c]: b and the GQA head g = h // (H / Hk); the cache: b through the page table; the weight:
+  none). Their row-dependent parts are the block's *key*: rows are walked with the key's indices outermost, and a
+  block is split at run time into runs of rows with equal keys (a GQA group, the query rows of one head).
+- a contraction sum_c R[row, c] * E[j, c] (R the row-invariant factor the row kernel already hoists) becomes
+  one GEMM tile per chunk: dots[rows, j] = R_block x E_tile^T, with E packed once per chunk for the whole run.
+- a fold of a free-index state, acc[n] += w_j * F[j, n] (the P x V of attention, x_q x W^T of the quantised
+  GEMM), becomes acc[rows, n] += W[rows, j] x F_tile[j, n], with F packed (fp8 decoded) once per chunk and
+  column tile; the weights W are computed per row exactly as the row kernel computes them, after the row's online
+  correction, and are 0 where the element is not counted by that row.
+Everything else (masks, element lets, corrections, guards, epilogues, outputs) is the row kernel's code, run per
+row of the run with that row's states bound (bind_row). Nothing here knows an op.
+
+Soundness of the tiles: a packed element is read with the bindings of a row for which it is in the mask (or
+counted), so no read happens that the row kernel would not do; a row that does not count an element multiplies
+it by a weight of exactly 0, which is exact unless the packed value is inf/NaN, and a tile holding one is folded
+element by element over counted elements only, as the row kernel does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy as sp
+
+RBLK = 64  # most rows of one block (the M side of the GEMM tiles)
+NTILE = 256  # columns of a free index per packed tile of a GEMM fold
+
+
+@dataclass
+class GemmSum:
+    """A contraction computed per chunk as dots[rows, j] = rowbuf[rows, c] x pack[c, j]."""
+
+    s: sp.Sum
+    c: sp.Symbol
+    key: tuple  # the hoisted row factor's key in _Kernel.hoisted
+    elem: sp.Expr  # the streamed factor, read per element
+    dots: str
+    pack: str
+
+
+@dataclass
+class GemmFold:
+    """A fold acc[rows, n] += w[rows, j] x pack[j, n] of a state carried over one free index."""
+
+    name: str
+    outer: sp.Expr  # the weight w_j (no free index)
+    inner: sp.Expr  # the streamed factor F[j, n]
+    free: str
+    wbuf: str
+    pack: str
+
+
+@dataclass
+class BlockPlan:
+    sums: list[GemmSum]
+    folds: dict[str, GemmFold]
+    keys: list[sp.Expr]  # row-dependent parts of the streamed factors: rows with equal keys share them
+    order: list[str]  # row indices, outermost first, in which blocks are cut
+    late: set[str]  # element lets that read the contractions
+
+
+def _chunk() -> int:
+    from .cpu import CHUNK
+
+    return CHUNK
+
+
+# --------------------------------------------------------------------------------------------- the plan
+def block_plan(k) -> BlockPlan | None:
+    """The block plan of a kernel, or None where the row kernel is kept (selections, no contraction, or a
+    contraction that is not a product of a hoisted row factor and a streamed factor)."""
+    ir, a = k.ir, k.a
+    if any(f.selection for f in a.reductions):
+        return None
+    lets = k.sorted_element_lets()
+    first = k.mask_lets()
+    rest = [x for x in lets if x.name not in first]
+    with_sum = [x for x in lets if isinstance(x.expr, sp.Basic) and x.expr.atoms(sp.Sum)]
+    late: set[str] = set()
+    if with_sum:
+        late = k.contraction_lets(rest) or set()
+        if not late or any(x.name in first for x in with_sum):
+            return None
+    hoist = {key: fac for fac, _c, key in k.hoist_targets()}
+    sums: list[GemmSum] = []
+    for s in sorted({s for x in rest if x.name in late for s in x.expr.atoms(sp.Sum)}, key=str):
+        c = s.limits[0][0]
+        facs = list(s.function.args) if s.function.is_Mul else [s.function]
+        rows_at = [n for n, f in enumerate(facs)
+                   if isinstance(f, sp.Indexed) and (str(f.base.label), tuple(f.indices)) in hoist]
+        if len(rows_at) != 1:
+            return None
+        row_fac = facs[rows_at[0]]
+        elem = sp.Mul(*[f for n, f in enumerate(facs) if n != rows_at[0]])
+        if ir.over not in k.index_deps(elem) or c not in elem.free_symbols:
+            return None
+        sums.append(GemmSum(s, c, (str(row_fac.base.label), tuple(row_fac.indices)), elem,
+                            k.fresh("dots"), k.fresh("pk")))
+    state_syms = {sym for roles in a.symbols.values() for sym in roles.values()}
+    folds: dict[str, GemmFold] = {}
+    for p in a.passes:
+        forms = [f for f in a.reductions if f.stage == "stream" and f.pass_no == p.number]
+        for level in k.levels(forms):
+            _scalar, others = k.level_split(level)
+            if len(others) != 1:
+                continue
+            f = others[0]
+            split = k.blockable_fold([f])
+            if split is None or len(f.free) != 1:
+                continue
+            outer, inner = split
+            if ir.over not in k.index_deps(inner) or inner.free_symbols & state_syms or inner.atoms(sp.Sum):
+                continue
+            mine = set(a.symbols.get(f.name, {}).values())
+            # the fold is applied after the whole chunk of every row: nothing later in the chunk may read it
+            if any(g is not f and (f.name in g.online_deps or (g.term is not None and g.term.free_symbols & mine))
+                   for g in forms):
+                continue
+            folds[f.name] = GemmFold(f.name, outer, inner, f.free[0], k.fresh("wts"), k.fresh("pk"))
+    if not sums and not folds:
+        return None
+    keys: list[sp.Expr] = []
+    for e in [g.elem for g in sums] + [g.inner for g in folds.values()]:
+        _row_keys(k, e, keys)
+    deps = set().union(*[k.index_deps(x) for x in keys]) if keys else set()
+    order = [n for n in ir.rows if n in deps] + [n for n in ir.rows if n not in deps]
+    return BlockPlan(sums, folds, keys, order, late)
+
+
+def _row_keys(k, e: sp.Basic, out: list) -> None:
+    """Append to `out` the row-dependent parts of a streamed factor: index expressions that depend on rows only
+    (b, g), and the row indices themselves where an index mixes rows with the element (a page read per b and j)."""
+    ir = k.ir
+    rows = set(ir.rows)
+    element_lets = {x.symbol: x for x in ir.lets if x.kind == "element"}
+
+    def add(x: sp.Basic) -> None:
+        if all(x != y for y in out):
+            out.append(x)
+
+    def walk(x: sp.Basic) -> None:
+        if isinstance(x, sp.Indexed):
+            for i in x.indices:
+                d = k.index_deps(i)
+                if not d & rows:
+                    continue
+                if d <= rows:
+                    add(i)
+                else:
+                    walk(i)
+            return
+        if isinstance(x, sp.Symbol):
+            if x in element_lets:
+                walk(element_lets[x].expr)
+                return
+            if k.index_deps(x) & rows:  # a row index or a row let
+                add(x)
+            return
+        for arg in x.args:
+            walk(arg)
+
+    walk(e)
+
+
+# --------------------------------------------------------------------------------------------- storage
+def block_storage(k) -> None:
+    """Element arrays of one chunk for every row of a block, the packed tiles and the per-row buffers."""
+    ir, plan, ch = k.ir, k.plan, _chunk()
+    for let in ir.element_lets:
+        ty = "int64_t" if let.symbol.is_integer else "float"
+        k.emit(f"std::vector<{ty}> bel_{let.name}_v({ch * RBLK});")
+        k.emit(f"{ty}* bel_{let.name} = bel_{let.name}_v.data();")
+    for flag in ("ok", "cnt"):
+        k.emit(f"std::vector<uint8_t> bel_{flag}_v({ch * RBLK});")
+        k.emit(f"uint8_t* bel_{flag} = bel_{flag}_v.data();")
+    for g in plan.sums:
+        k.emit(f"std::vector<float> b{g.dots}_v({ch * RBLK});  // {g.s}")
+        k.emit(f"float* b{g.dots} = b{g.dots}_v.data();")
+        k.emit(f"std::vector<float> {g.pack}_v(ex_{g.c.name} * {ch});  // the streamed factor, [c][element]")
+        k.emit(f"float* {g.pack} = {g.pack}_v.data();")
+    for g in plan.folds.values():
+        k.emit(f"std::vector<float> b{g.wbuf}_v({ch * RBLK});  // weights of the fold of {g.name}")
+        k.emit(f"float* b{g.wbuf} = b{g.wbuf}_v.data();")
+        k.emit(f"std::vector<float> {g.pack}_v({ch * NTILE});  // the streamed factor, [element][{g.free}]")
+        k.emit(f"float* {g.pack} = {g.pack}_v.data();")
+    for n in ir.rows:
+        k.emit(f"int64_t rix_{n}[{RBLK}];")
+    k.emit(f"double rkey[{RBLK * max(1, len(plan.keys))}];  // the streamed operand's row-dependent indices")
+
+
+def _state_size(f) -> str:
+    return " * ".join([f"ex_{n}" for n in f.free] or ["int64_t(1)"])
+
+
+def bind_row(k, var: str, light: bool = False, guards_of: tuple = ()) -> None:
+    """Declare the row kernel's names for row `var` of the block: row indices, row lets, element arrays and (unless
+    light) states, hoisted row factors, contraction results, fold weights and the final guards of earlier passes."""
+    ir, plan, ch = k.ir, k.plan, _chunk()
+    for n in ir.rows:
+        k.emit(f"const int64_t ix_{n} = rix_{n}[{var}];")
+        k.emit(f"(void)ix_{n};")
+    for let in ir.row_lets:
+        ty = "int64_t" if let.symbol.is_integer else "float"
+        k.emit(f"const {ty} lt_{let.name} = {k.pr.val(let.expr, let.symbol)};")
+        k.emit(f"(void)lt_{let.name};")
+    for let in ir.element_lets:
+        ty = "int64_t" if let.symbol.is_integer else "float"
+        k.emit(f"{ty}* el_{let.name} = bel_{let.name} + {var} * {ch};")
+        k.emit(f"(void)el_{let.name};")
+    k.emit(f"uint8_t* el_ok = bel_ok + {var} * {ch};")
+    k.emit(f"uint8_t* el_cnt = bel_cnt + {var} * {ch};")
+    k.emit("(void)el_ok; (void)el_cnt;")
+    if light:
+        return
+    for f in k.a.reductions:
+        if f.free:
+            k.emit(f"float* st_{f.name} = bst_{f.name} + {var} * ({_state_size(f)});")
+        else:
+            k.emit(f"float& st_{f.name} = bst_{f.name}[{var}];")
+        k.emit(f"(void)st_{f.name};")
+    for buf, _fac, c, _key in k.hoist_fill:
+        k.emit(f"float* {buf} = b{buf} + {var} * ex_{c.name};")
+        k.emit(f"(void){buf};")
+    for g in plan.sums:
+        k.emit(f"float* {g.dots} = b{g.dots} + {var} * {ch};")
+        k.emit(f"(void){g.dots};")
+    for g in plan.folds.values():
+        k.emit(f"float* {g.wbuf} = b{g.wbuf} + {var} * {ch};")
+        k.emit(f"(void){g.wbuf};")
+    for f in guards_of:
+        k.emit_guard(f.name, None)
+
+
+def _per_row(k, guards_of: tuple = ()) -> None:
+    k.block("for (int64_t rb = r0; rb < r1; ++rb)")
+    bind_row(k, "rb", guards_of=guards_of)
+
+
+# --------------------------------------------------------------------------------------------- the function
+def emit_blocked(k, head: str) -> str:
+    ir, a, plan, ch = k.ir, k.a, k.plan, _chunk()
+    k.lines = []
+    k.preamble()
+    nk = max(1, len(plan.keys))
+    k.block("for (int64_t blk = blk_begin; blk < blk_end; ++blk)")
+    k.emit("const int64_t p0 = blk * rb_n;")
+    k.emit("const int64_t nrow = std::min<int64_t>(A.rows - p0, rb_n);")
+    k.emit(f"// rows of the block, walked in the order ({', '.join(plan.order)}): the streamed operand's indices first")
+    k.block("for (int64_t rb = 0; rb < nrow; ++rb)")
+    k.emit("int64_t rem = p0 + rb;")
+    for n in reversed(plan.order):
+        k.emit(f"const int64_t ix_{n} = rem % ex_{n};")
+        k.emit(f"rem /= ex_{n};")
+        k.emit(f"rix_{n}[rb] = ix_{n};")
+    for let in ir.row_lets:
+        ty = "int64_t" if let.symbol.is_integer else "float"
+        k.emit(f"const {ty} lt_{let.name} = {k.pr.val(let.expr, let.symbol)};")
+        k.emit(f"(void)lt_{let.name};")
+    k.emit(f"rkey[rb * {nk}] = 0.0;")
+    for q, key in enumerate(plan.keys):
+        k.emit(f"rkey[rb * {nk} + {q}] = static_cast<double>({k.pr(key)});")
+    k.end()
+    k.emit("// runs of rows with equal keys share the packed tiles")
+    k.block("for (int64_t r0 = 0, r1 = 0; r0 < nrow; r0 = r1)")
+    k.emit("r1 = r0 + 1;")
+    k.emit(f"while (r1 < nrow && std::equal(rkey + r1 * {nk}, rkey + (r1 + 1) * {nk}, rkey + r0 * {nk})) ++r1;")
+    _per_row(k)
+    for buf, fac, c, key in k.hoist_fill:
+        saved = k.hoisted.pop(key)
+        k.emit(f"for (int64_t ix_{c.name} = 0; ix_{c.name} < ex_{c.name}; ++ix_{c.name}) "
+               f"{buf}[ix_{c.name}] = {k.pr.flt(fac)};")
+        k.hoisted[key] = saved
+    k.end()
+    done: list = []
+    for i, p in enumerate(a.passes):
+        forms = [f for f in a.reductions if f.stage == "stream" and f.pass_no == p.number]
+        before = tuple(f for f in done if not f.free)
+        k.emit(f"// ---- pass {p.number}: {', '.join(f.name for f in forms) or '-'}")
+        if forms:
+            _per_row(k, before)
+            for f in forms:
+                k.init_state(f)
+            k.end()
+            k.block(f"for (int64_t c0 = 0; c0 < ex_{ir.over}; c0 += {ch})")
+            k.emit(f"const int64_t cn = std::min<int64_t>({ch}, ex_{ir.over} - c0);")
+            _per_row(k, before)
+            k.block("for (int64_t jj = 0; jj < cn; ++jj)")
+            k.mask_and_early_lets(plan.late)
+            k.end()
+            k.end()
+            for g in plan.sums:
+                _pack_sum(k, g)
+            _per_row(k, before)
+            k.block("for (int64_t jj = 0; jj < cn; ++jj)")
+            k.late_lets(plan.late, {g.s: g.dots for g in plan.sums})
+            k.emit(f"el_cnt[jj] = {k.counted()};")
+            k.end()
+            k.chunk_levels(forms)
+            k.end()
+            for f in forms:
+                if f.name in plan.folds:
+                    _pack_fold(k, plan.folds[f.name], f)
+            k.end()
+        _per_row(k, before)
+        for f in forms:
+            if not f.free:
+                k.emit_guard(f.name, None)
+        for f in a.reductions:
+            if f.stage == "epilogue" and f.pass_no == p.number:
+                k.epilogue(f)
+        if i == len(a.passes) - 1:
+            k.outputs()
+        k.end()
+        done += [f for f in a.reductions if f.pass_no == p.number]
+    k.end()
+    k.end()
+    body = "\n".join(k.lines)
+    from .cpu import TARGET_CLONES
+
+    return (f"// specialisation {ir.label} (blocks of rows sharing the streamed operand, GEMM tiles)\n{head}"
+            f"{TARGET_CLONES}static void blocks_case{k.index}(const Args& A, int64_t blk_begin, int64_t blk_end, "
+            f"int64_t rb_n) {{\n{body}\n}}\n")
+
+
+def _any_live(k, flags: str) -> None:
+    """Open a block that runs only where some row of the run has some element of the chunk in `flags`: a chunk that
+    no row sees (causal attention past the diagonal) adds nothing, so its tile is neither packed nor multiplied."""
+    ch = _chunk()
+    k.emit("bool live = false;")
+    k.emit(f"for (int64_t q = r0; q < r1 && !live; ++q) for (int64_t jj = 0; jj < cn; ++jj) live = live || bel_{flags}[q * {ch} + jj];")
+    k.block("if (live)")
+
+
+def _first_row(k, flags: str, cond: str = "true") -> None:
+    """rs = the first row of the run for which element jj is in `flags` (ok or cnt), or -1."""
+    ch = _chunk()
+    k.emit("int64_t rs = -1;")
+    k.emit(f"if ({cond}) for (int64_t q = r0; q < r1; ++q) if (bel_{flags}[q * {ch} + jj]) {{ rs = q; break; }}")
+
+
+def _pack_sum(k, g: GemmSum) -> None:
+    ir, ch = k.ir, _chunk()
+    c = g.c.name
+    k.block("")
+    k.emit(f"// {g.s}: the streamed factor packed once for the run, then one GEMM tile")
+    _any_live(k, "ok")
+    k.block(f"for (int64_t jj = 0; jj < {ch}; ++jj)")
+    _first_row(k, "ok", "jj < cn")
+    k.block("if (rs < 0)")
+    k.emit(f"for (int64_t ix_{c} = 0; ix_{c} < ex_{c}; ++ix_{c}) {g.pack}[ix_{c} * {ch} + jj] = 0.0f;")
+    k.emit("continue;")
+    k.end()
+    bind_row(k, "rs", light=True)
+    k.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
+    k.emit(f"(void)ix_{ir.over};")
+    k.emit(f"for (int64_t ix_{c} = 0; ix_{c} < ex_{c}; ++ix_{c}) {g.pack}[ix_{c} * {ch} + jj] = {k.pr.flt(g.elem)};")
+    k.end()
+    buf = k.hoisted[g.key].split("[")[0]
+    k.emit(f"rf::gemm_tile(r1 - r0, {ch}, ex_{c}, b{buf} + r0 * ex_{c}, ex_{c}, {g.pack}, {ch}, b{g.dots} + r0 * {ch}, "
+           f"{ch}, false);")
+    k.end()
+    k.end()
+
+
+def emit_fold_weights(k, g: GemmFold) -> None:
+    """In place of the row kernel's fold: the weight of every element of the chunk for this row (0 where the
+    element is not counted); the fold itself runs as a GEMM tile after every row of the run."""
+    ir = k.ir
+    k.emit(f"// weights of the fold of {g.name} (applied as a GEMM tile after the run's rows)")
+    k.block("for (int64_t jj = 0; jj < cn; ++jj)")
+    k.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
+    k.emit(f"(void)ix_{ir.over};")
+    if k.branch_free(g.outer):
+        k.emit(f"const float v = {k.pr.flt(g.outer)};")
+        k.emit(f"{g.wbuf}[jj] = el_cnt[jj] ? v : 0.0f;")
+    else:
+        k.emit(f"{g.wbuf}[jj] = el_cnt[jj] ? {k.pr.flt(g.outer)} : 0.0f;")
+    k.end()
+    k.local = {}
+
+
+def _pack_fold(k, g: GemmFold, f) -> None:
+    ir, ch = k.ir, _chunk()
+    n = g.free
+    size = _state_size(f)
+    k.block("")
+    k.emit(f"// fold of {g.name}: the streamed factor packed once per column tile for the run, then one GEMM tile")
+    k.emit(f"const int64_t szf = {size};")
+    _any_live(k, "cnt")
+    k.block(f"for (int64_t n0 = 0; n0 < ex_{n}; n0 += {NTILE})")
+    k.emit(f"const int64_t nt = std::min<int64_t>({NTILE}, ex_{n} - n0);")
+    k.emit("uint32_t bad = 0;  // a packed inf/NaN: fold element by element over counted elements only")
+    k.block("for (int64_t jj = 0; jj < cn; ++jj)")
+    _first_row(k, "cnt")
+    k.emit(f"float* dst = {g.pack} + jj * {NTILE};")
+    k.block("if (rs < 0)")
+    k.emit("std::fill(dst, dst + nt, 0.0f);")
+    k.emit("continue;")
+    k.end()
+    bind_row(k, "rs", light=True)
+    k.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
+    k.emit(f"(void)ix_{ir.over};")
+    k.block(f"for (int64_t ix_{n} = n0; ix_{n} < n0 + nt; ++ix_{n})")
+    k.emit(f"const float v = {k.pr.flt(g.inner)};")
+    k.emit(f"dst[ix_{n} - n0] = v;")
+    k.emit("bad |= rf::is_finite_bits(v) ? 0u : 1u;")
+    k.end()
+    k.end()
+    k.block("if (!bad)")
+    k.emit(f"rf::gemm_tile(r1 - r0, nt, cn, b{g.wbuf} + r0 * {ch}, {ch}, {g.pack}, {NTILE}, bst_{g.name} + r0 * szf + n0, "
+           "szf, true);")
+    k.end("} else {")
+    k.ind += 1
+    k.block("for (int64_t q = r0; q < r1; ++q)")
+    k.block("for (int64_t jj = 0; jj < cn; ++jj)")
+    k.emit(f"if (!bel_cnt[q * {ch} + jj]) continue;")
+    k.emit(f"const float w = b{g.wbuf}[q * {ch} + jj];")
+    k.emit(f"float* acc = bst_{g.name} + q * szf + n0;")
+    k.emit(f"const float* src = {g.pack} + jj * {NTILE};")
+    k.emit("for (int64_t x = 0; x < nt; ++x) acc[x] = acc[x] + w * src[x];")
+    k.end()
+    k.end()
+    k.end()
+    k.end()
+    k.end()
+    k.end()
+
+
+def block_dispatch(call: str) -> str:
+    """run_cpu's body for a block kernel: blocks of up to RBLK rows, at least two blocks per thread."""
+    return ("(void)grain; const int64_t nthr = std::max<int64_t>(1, static_cast<int64_t>(torch::stable::get_num_threads())); "
+            f"const int64_t rb_n = std::max<int64_t>(1, std::min<int64_t>({RBLK}, (A.rows + 2 * nthr - 1) / (2 * nthr))); "
+            "const int64_t nblk = (A.rows + rb_n - 1) / rb_n; "
+            f"redfuser::parallel_rows(nblk, 1, [&](int64_t b, int64_t e) {{ {call}(A, b, e, rb_n); }});")
