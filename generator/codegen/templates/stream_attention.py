@@ -669,13 +669,14 @@ def emit_attention_program(math: AttentionMath, cfg: AttentionConfig, symbol: st
         src(b, f"kv_end = T.max(T.min(seqlen_k, T.max({hi0}, {hi1})), 0)")
         src(b, f"n_full = T.max(T.min(seqlen_k, T.min({hi0}, {hi1})), 0) // {BN}")
         src(b, f"n_tiles = T.ceildiv(kv_end, {BN})")
-    else:
-        src(b, "kv_end = seqlen_k")
+    else:  # no upper bound: every tile up to seqlen_k (no `kv_end = seqlen_k` alias: TileLang would take a
+        # let-bound copy of a dynamic dim for a launcher parameter of its own)
         src(b, f"n_full = seqlen_k // {BN}")
         src(b, f"n_tiles = T.ceildiv(seqlen_k, {BN})")
     if band is not None and band.lo is not None:
         lo0, lo1 = _band_at(band, band.lo, "q0"), _band_at(band, band.lo, f"q0 + {BM - 1}")
-        src(b, f"tile_lo = T.min(T.max(T.min({lo0}, {lo1}), 0), kv_end) // {BN}")
+        kv_end = "kv_end" if band.hi is not None else "seqlen_k"
+        src(b, f"tile_lo = T.min(T.max(T.min({lo0}, {lo1}), 0), {kv_end}) // {BN}")
         src(b, f"full_lo = T.ceildiv(T.max(T.max({lo0}, {lo1}), 0), {BN})")
     else:
         src(b, "tile_lo = 0")
