@@ -51,6 +51,9 @@ from dataclasses import dataclass
 from . import stream_attention as sa
 
 TEMPLATE_VERSION = "paged_attention/1"
+# split-KV plan (host-known sizes only): at least this many keys per segment, at most this many segments
+SPLIT_MIN_KEYS = 256
+SPLIT_MAX_SEGMENTS = 64
 
 FAMILIES = {"sm80": "sm_80", "sm90a": "sm_90a", "sm100a": "sm_100a"}
 DTYPES = sa.DTYPES

@@ -274,8 +274,7 @@ def paged_body(spec: OpSpec, plan, lowered: dict[str, dict]) -> list[str]:
     a_axis, h_axis = (_axis_of(spec, q, 1 + i) for i in range(2))
     dv_sym = plan.dv_param
     fams = ", ".join(f'"{f}"' for f in plan.families)
-    sched = spec.schedule_for("split_kv")
-    min_chunk, max_splits = int(sched.get("min_chunk", 256)), int(sched.get("max_splits", 64))
+    min_chunk, max_splits = pa.SPLIT_MIN_KEYS, pa.SPLIT_MAX_SEGMENTS  # the template's split plan (README)
     dv_expr = f"A.p_{dv_sym}" if dv_sym else str(plan.entries[0][2])
     L = [
         "Args& A = c.A;",
