@@ -243,7 +243,7 @@ def paged_plan(spec: OpSpec, op: OpAnalysis, families: list[str]):
         for dtype in cv.dtypes:
             for dv in dv_values:
                 cfg = pa.default_config(fam, dtype, int(dv))
-                scfg = pa.replace(cfg, split_kv=True)
+                scfg = pa.default_config(fam, dtype, int(dv), split_kv=True)  # its own register split
                 fwd, split = cfg.variant_name(spec.name), scfg.variant_name(spec.name)
                 comb = scfg.combine_variant_name(spec.name)
                 plan.jobs.append(Job(fwd, fam, pa.emit_paged_program(math, roles, cfg, fwd), hdr))
