@@ -203,13 +203,13 @@ class AttentionConfig:
             return self.band
         return CAUSAL if self.causal else None
 
-    def variant_name(self, op: str = "fused_attention") -> str:
+    def variant_name(self, op: str = "stream_attention") -> str:
         dt = {"float16": "fp16", "bfloat16": "bf16"}[self.dtype]
         kind = self.key_band.name if self.key_band is not None else "full"
         split = "_splitkv" if self.split_kv else ""
         return f"{op}__{dt}_d{self.head_dim}_{kind}{split}__{self.family}"
 
-    def combine_variant_name(self, op: str = "fused_attention") -> str:
+    def combine_variant_name(self, op: str = "stream_attention") -> str:
         """The combine kernel does not depend on causal: one per (dtype, D, family)."""
         dt = {"float16": "fp16", "bfloat16": "bf16"}[self.dtype]
         return f"{op}_combine__{dt}_d{self.head_dim}__{self.family}"
