@@ -113,27 +113,25 @@ def _slug(s: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", s.lower()).strip("-")
 
 
-def cpu_model() -> str:
+def _cpuinfo(key: str) -> str | None:
+    """The value of the first /proc/cpuinfo line that starts with `key` (None where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith(key):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def cpu_flags() -> list[str]:
     """The CPU's feature flags (lscpu's "Flags", from /proc/cpuinfo), so that results name the vector units."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    return []
+    return (_cpuinfo("flags") or "").split()
 
 
 def last_level_cache_bytes(device: str) -> int:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 
+import sympy as sp
+
 
 class BridgeError(ValueError):
     """The cascade does not have the shape a template schedules."""
@@ -98,3 +100,27 @@ def launch_call(symbol: str, params: list[tuple], args: dict[str, str]) -> str:
             raise BridgeError(f"{symbol}: no value for launcher parameter '{name}'")
         out.append(f"({ctype})({args[name]})" if kind != "pointer" else args[name])
     return f"{symbol}_call({', '.join(out)})"
+
+
+def merge_terms(states, st: dict, guards: dict, base: dict, make_printer) -> tuple[dict, list[tuple[str, str]]]:
+    """The engine's merge form as kernel text, shared by the templates that merge segments (split-KV, split-K).
+
+    ``states``: the row states' forms; ``st``: state name -> its symbols (``old``, ``new``, ``new_safe``);
+    ``guards``: the guarded states; ``base``: names every printed expression may also read; ``make_printer``: a
+    symbol -> text mapping to a printer.  Returns the names (a segment's old value reads ``<state>_seg``, the merged
+    value ``<state>`` or its guard ``<state>_safe``) and, per state, (name, its segment value corrected to the merged
+    states)."""
+    names = dict(base)
+    for name, roles in st.items():
+        names[roles["old"]] = f"{name}_seg"
+        names[roles["new_safe"]] = f"{name}_safe" if name in guards else name
+        names[roles["new"]] = name
+    terms = []
+    for f in states:
+        if f.kind == "none":
+            terms.append((f.name, f"{f.name}_seg"))
+            continue
+        seg = sp.Symbol(f"{f.name}__seg")
+        e = seg * f.correction if f.kind == "*" else seg + f.correction
+        terms.append((f.name, make_printer({**names, seg: f"{f.name}_seg"})(e)))
+    return names, terms

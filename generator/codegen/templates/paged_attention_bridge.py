@@ -28,6 +28,7 @@ import sympy as sp
 from ...spec import OpSpec
 from ...symbolic.expr import idiv
 from ...symbolic.forms import Analysis, OpAnalysis
+from ..bridge import merge_terms
 from ..tl_print import TLPrinter
 from . import paged_attention as pa
 from . import stream_attention as sa
@@ -165,19 +166,8 @@ def paged_math(a: Analysis) -> tuple[sa.AttentionMath, pa.PagedRoles, dict]:
     if lse_index != (batch_row, h_row, a_row):
         raise _err(where, f"the per-row output must be laid out ({batch_row}, {h_row}, {a_row})")
     # merge context
-    merge_names = {}
-    for name, roles in st.items():
-        merge_names[roles["old"]] = f"{name}_seg"
-        merge_names[roles["new_safe"]] = f"{name}_safe" if name in guards else name
-        merge_names[roles["new"]] = name
-    merge_states = []
-    for f in states:
-        seg = sp.Symbol(f"{f.name}__seg")
-        if f.kind == "none":
-            merge_states.append(sa.MergeState(f.name, f"{f.name}_seg"))
-        else:
-            e = seg * f.correction if f.kind == "*" else seg + f.correction
-            merge_states.append(sa.MergeState(f.name, printer({**merge_names, seg: f"{f.name}_seg"})(e)))
+    merge_names, terms = merge_terms(states, st, guards, {}, printer)
+    merge_states = [sa.MergeState(name, term) for name, term in terms]
     merge_guards = [sa.Guard(f"{n}_safe", printer({st[n]["new"]: n})(g.apply(st[n]["new"]))) for n, g in guards.items()]
     o_seg = sp.Symbol("o__seg")
     acc_term = printer({**merge_names, o_seg: "o_seg"})(o_seg * acc.correction) if acc.kind == "*" else "o_seg"

@@ -23,7 +23,7 @@ import sympy as sp
 from ...spec import OpSpec
 from ...symbolic.expr import Cast
 from ...symbolic.forms import Analysis, OpAnalysis
-from ..bridge import BridgeError, Job, Plan, launch_call
+from ..bridge import BridgeError, Job, Plan, launch_call, merge_terms
 from ..glue import SCALAR_TYPES
 from ..tl_print import TLPrinter
 from . import quant_gemm as qg
@@ -134,19 +134,8 @@ def _case_math(a: Analysis):
     quant = tl(q.args[0])
     acc_corr = tl(acc.correction) if acc.kind == "*" else "T.float32(1)"
     # merge form (split-K): segments' states combined in order, the sum corrected from each segment's states
-    m_names: dict[sp.Basic, str] = {s: n for n, s in ir.scalars.items()}
-    for n, roles in st.items():
-        m_names[roles["old"]] = f"{n}_seg"
-        m_names[roles["new_safe"]] = f"{n}_safe" if n in guards else n
-        m_names[roles["new"]] = n
-    merge_states = []
-    for f in states:
-        seg = sp.Symbol(f"{f.name}__seg")
-        if f.kind == "none":
-            merge_states.append((f.name, f"{f.name}_seg"))
-        else:
-            e = seg * f.correction if f.kind == "*" else seg + f.correction
-            merge_states.append((f.name, TLPrinter({**m_names, seg: f"{f.name}_seg"}, where)(e)))
+    m_names, merge_states = merge_terms(states, st, guards, {s: n for n, s in ir.scalars.items()},
+                                        lambda names: TLPrinter(names, where))
     merge_guards = tuple(qg.Guard(f"{n}_safe", TLPrinter({st[n]["new"]: n}, where)(g.apply(st[n]["new"])))
                          for n, g in guards.items())
     acc_seg = sp.Symbol("acc__seg")

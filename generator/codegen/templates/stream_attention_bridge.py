@@ -20,7 +20,7 @@ import sympy as sp
 from ...spec import OpSpec
 from ...symbolic.expr import idiv
 from ...symbolic.forms import MONOIDS, Analysis, OpAnalysis, _numeric_at
-from ..bridge import BridgeError, Job, Plan, flag_test, launch_call, only
+from ..bridge import BridgeError, Job, Plan, flag_test, launch_call, merge_terms, only
 from ..glue import SCALAR_TYPES
 from ..tl_print import TLPrinter
 
@@ -274,21 +274,9 @@ def attention_math(a: Analysis, kind: str | None = None):
     out_lse = by_layout.get((b_, h_, i_))
     if out_o is None or out_lse is None or len(outs) != 2:
         raise BridgeError(f"{where}: outputs must be out (batch, query, head, d) and lse (batch, head, query)")
-    merge_names = dict(base)
-    for name, rl in st.items():
-        merge_names[rl["old"]] = f"{name}_seg"
-        merge_names[rl["new_safe"]] = f"{name}_safe" if name in guards else name
-        merge_names[rl["new"]] = name
+    merge_names, terms = merge_terms(states, st, guards, base, lambda names: TLPrinter(names, where))
     o_seg = sp.Symbol("o__seg")
-    merge_states = []
-    for f in states:
-        seg = sp.Symbol(f"{f.name}__seg")
-        if f.kind == "none":
-            term = f"{f.name}_seg"
-        else:
-            term = TLPrinter({**merge_names, seg: f"{f.name}_seg"}, where)(
-                seg * f.correction if f.kind == "*" else seg + f.correction)
-        merge_states.append(sa.MergeState(f.name, term))
+    merge_states = [sa.MergeState(name, term) for name, term in terms]
     merge_guards = [sa.Guard(f"{n}_safe", TLPrinter({st[n]["new"]: n}, where)(g.apply(st[n]["new"])))
                     for n, g in guards.items()]
     math = sa.AttentionMath(
