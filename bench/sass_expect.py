@@ -18,9 +18,10 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-# arch families and the SASS archs each holds (as in CMakeLists.txt)
-FAMILY_ARCHS = {"sm80": ("sm_80", "sm_86", "sm_89"), "sm89": ("sm_89",), "sm90a": ("sm_90a",),
-                "sm100a": ("sm_100a",)}
+from generator.families import TABLE
+
+# arch families and the SASS archs each holds (generator/families.py, the one table)
+FAMILY_ARCHS = {f.name: f.sass for f in TABLE}
 
 # families whose variants are checked against RULES (the others only get a resource table)
 CHECKED_FAMILIES = ("sm90a", "sm89")

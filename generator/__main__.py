@@ -15,6 +15,7 @@ from pathlib import Path
 from .codegen.emit import emitter_problems
 from .errors import FusionError, SpecError
 from .explain import explain
+from .families import FAMILIES, TABLE
 from .spec import load_spec, spec_files
 from .symbolic.forms import analyze
 from .symbolic.oracle import self_check
@@ -82,6 +83,17 @@ def cmd_emit(args: argparse.Namespace) -> int:
                 static=_names(args.static))
 
 
+def cmd_families(args: argparse.Namespace) -> int:
+    """The known arch families, ';'-separated (CMake reads this), or the table with --table."""
+    if args.table:
+        for f in TABLE:
+            ptx = f" + {f.ptx} PTX" if f.ptx else ""
+            print(f"{f.name:7s} lowered for {f.lower_arch}; SASS {', '.join(f.sass)}{ptx}: {f.why}")
+    else:
+        print(";".join(FAMILIES))
+    return 0
+
+
 def _names(text: str) -> list[str] | None:
     names = [n for n in text.replace(",", ";").split(";") if n]
     return names or None
@@ -101,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser("emit", help="generate sources for the build")
     p.add_argument("--out", required=True)
-    p.add_argument("--archs", default="sm80;sm89;sm90a;sm100a", help="arch families, ';'-separated ('' = CPU only)")
+    p.add_argument("--archs", default=";".join(FAMILIES), help="arch families, ';'-separated ('' = CPU only)")
     p.add_argument("--jobs", type=int, default=0, help="parallel lowering processes (0 = number of CPUs)")
     p.add_argument("--ops", default="", help="only these ops get CUDA kernels (';'-separated; '' = all)")
     p.add_argument("--dtypes", default="", help="only CUDA variants of these dtypes (';'-separated; '' = all)")
@@ -109,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
                    "(';'-separated, a key may repeat; e.g. 'D=128;E_cap=512'; '' = all)")
     p.add_argument("specs", nargs="*")
     p.set_defaults(fn=cmd_emit)
+    p = sub.add_parser("families", help="the known CUDA arch families (generator/families.py)")
+    p.add_argument("--table", action="store_true", help="one line per family: archs, PTX and why")
+    p.set_defaults(fn=cmd_families)
     args = parser.parse_args(argv)
     return args.fn(args)
 

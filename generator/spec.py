@@ -15,11 +15,11 @@ from typing import Any
 import yaml
 
 from .errors import Loc, SpecError
+from .families import FAMILIES
 
 TENSOR_DTYPES = ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "int32", "int64", "bool")
 SCALAR_TYPES = ("int", "float", "bool", "str", "ScalarType")
 REDUCTION_OPS = ("sum", "max", "min", "argmax", "topk")
-FAMILIES = ("sm80", "sm89", "sm90a", "sm100a")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Literals and keywords of the expression language: no axis, argument, index or let may take them. Function
 # names (exp, topk, ...) are not reserved: a name is a function only where it is called.

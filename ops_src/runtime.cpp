@@ -1,5 +1,6 @@
 // redfuser-ops runtime glue (see runtime.h).
 #include "runtime.h"
+#include "redfuser_families.h"
 
 #include <dlfcn.h>
 
@@ -267,11 +268,10 @@ bool built_with_cuda() {
 #endif
 }
 
+// The family table is generated from generator/families.py (the one table of arch families).
 std::string family_arch_list(std::string_view family) {
-  if (family == "sm80") return "sm_80, sm_86, sm_89";
-  if (family == "sm89") return "sm_89";
-  if (family == "sm90a") return "sm_90a";
-  if (family == "sm100a") return "sm_100a";
+  for (const families::Row& r : families::kTable)
+    if (family == r.name) return r.archs;
   return std::string(family);
 }
 
@@ -280,14 +280,24 @@ static bool has(const std::vector<std::string>& v, std::string_view x) {
 }
 
 const char* family_for_capability(int major, int minor, const std::vector<std::string>& available) {
-  // sm_80 SASS runs on every 8.x. The 'a' families run only on exactly their arch (9.0, 10.0).
-  // Every other capability >= 8.0 (9.x, 10.x other than 10.0, 11.x, 12.x, ...) runs the sm80
-  // family's compute_80 PTX, JIT-compiled by the driver; below 8.0 nothing fits.
-  if (major < 8) return nullptr;
-  if (major == 8 && minor == 9 && has(available, "sm89")) return "sm89";  // fp8 tensor cores, exactly 8.9
-  if (major == 9 && minor == 0 && has(available, "sm90a")) return "sm90a";
-  if (major == 10 && minor == 0 && has(available, "sm100a")) return "sm100a";
-  return has(available, "sm80") ? "sm80" : nullptr;
+  // Among the built families whose SASS runs here (sm_XY on X.Z with Z >= Y; arch-specific sm_90a only on
+  // exactly 9.0), the one lowered for the highest arch; else one whose PTX the driver can JIT for this
+  // capability (the sm80 family's compute_80 for everything newer); else none (below 8.0).
+  const int cap = 10 * major + minor;
+  const families::Row* native = nullptr;
+  const families::Row* jit = nullptr;
+  for (const families::Row& r : families::kTable) {
+    if (!has(available, r.name)) continue;
+    bool runs = false;
+    for (int i = 0; i < r.n_sass; ++i) {
+      const families::Sass& a = r.sass[i];
+      runs = runs || (a.exact ? (major == a.major && minor == a.minor) : (major == a.major && minor >= a.minor));
+    }
+    if (runs && (native == nullptr || r.lowered_for > native->lowered_for)) native = &r;
+    if (r.ptx != 0 && r.ptx <= cap && (jit == nullptr || r.lowered_for > jit->lowered_for)) jit = &r;
+  }
+  if (native != nullptr) return native->name;
+  return jit != nullptr ? jit->name : nullptr;
 }
 
 static std::string archs_of(const std::vector<std::string>& fams) {

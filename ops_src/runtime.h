@@ -197,9 +197,9 @@ int32_t device_sm_count(std::string_view op, int32_t device_index);
 std::pair<int, int> device_capability(std::string_view op, int32_t device_index);
 
 // Pure rule: the family to run on a device of capability major.minor, among `available`, or
-// nullptr when none can run there. 8.9 -> sm89 when built; 8.x -> sm80 (SASS); 9.0 -> sm90a, 10.0 -> sm100a when built;
-// any other capability >= 8.0 (and 9.0/10.0 without their family) -> sm80 (its compute_80 PTX,
-// JIT-compiled by the driver); below 8.0 -> none.
+// nullptr when none can run there. The rule and the table are generator/families.py's (the header
+// redfuser_families.h is generated from it): 8.9 -> sm89 when built; 8.x -> sm80 (SASS); 9.0 -> sm90a,
+// 10.0 -> sm100a when built; any other capability >= 8.0 -> sm80 (its compute_80 PTX); below 8.0 -> none.
 const char* family_for_capability(int major, int minor, const std::vector<std::string>& available);
 
 // The family to use for `op` on `device_index`, or throws

@@ -22,12 +22,14 @@ from pathlib import Path
 import pytest
 
 from bench import sass
+from generator.families import TABLE
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Archs each family's objects must hold: SASS (cuobjdump --list-elf) and PTX (--list-ptx).
-FAMILY_SASS = {"sm80": ["sm_80", "sm_86", "sm_89"], "sm89": ["sm_89"], "sm90a": ["sm_90a"], "sm100a": ["sm_100a"]}
-FAMILY_PTX = {"sm80": ["sm_80"], "sm89": [], "sm90a": [], "sm100a": []}
+# Archs each family's objects must hold: SASS (cuobjdump --list-elf) and PTX (--list-ptx), as the one table of
+# families (generator/families.py) declares them.
+FAMILY_SASS = {f.name: list(f.sass) for f in TABLE}
+FAMILY_PTX = {f.name: ["sm_" + f.ptx.split("_")[1]] if f.ptx else [] for f in TABLE}
 
 # The only shared libraries _C.so may depend on. No CUDA library (cudart is linked statically
 # and hidden), no Python, nothing from torch but libtorch_cpu (present in CPU and CUDA torch).

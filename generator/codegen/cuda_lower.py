@@ -35,6 +35,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..families import FAMILIES
+from ..families import family as _family
+
 __all__ = [
     "FAMILIES",
     "KernelInfo",
@@ -48,22 +51,6 @@ __all__ = [
     "tilelang_include_dirs",
 ]
 
-# family -> (arch TileLang lowers for, [(virtual arch, real arch)] compiled, PTX kept)
-_FAMILY_TABLE: dict[str, tuple[str, tuple[tuple[str, str], ...], str | None]] = {
-    # One sm_80 source runs everywhere on Ampere/Ada: SASS for 8.0, 8.6, 8.9 (compiled with the
-    # matching virtual arch, so that __CUDA_ARCH__-guarded paths such as fp8 mma on 8.9 are
-    # taken) plus compute_80 PTX for the driver to JIT on anything newer.
-    "sm80": ("sm_80", (("compute_80", "sm_80"), ("compute_86", "sm_86"), ("compute_89", "sm_89")), "compute_80"),
-    # Ada (8.9) lowered for itself: TileLang emits fp8 mma.sync (QMMA) only when it lowers for sm_89; the sm80
-    # family's sm_89 SASS comes from a source lowered for sm_80 and cannot use fp8 MMA.
-    "sm89": ("sm_89", (("compute_89", "sm_89"),), None),
-    # Hopper code (TMA, WGMMA, setmaxnreg) only compiles for the arch-specific target.
-    "sm90a": ("sm_90a", (("compute_90a", "sm_90a"),), None),
-    # Blackwell datacenter (10.0). TileLang 0.1.15 uses TMA + mma.sync here, not tcgen05.
-    "sm100a": ("sm_100a", (("compute_100a", "sm_100a"),), None),
-}
-
-FAMILIES: tuple[str, ...] = tuple(_FAMILY_TABLE)
 
 # Non-inline host+device helpers of tl_templates/cuda/debug.h. They are strong symbols in every
 # object that includes debug.h, so two generated files collide at link time unless renamed.
@@ -87,30 +74,22 @@ _SCALAR_C_TYPES = {
 }
 
 
-def _check_family(family: str) -> None:
-    if family not in _FAMILY_TABLE:
-        raise ValueError(f"unknown arch family {family!r}; known: {', '.join(FAMILIES)}")
-
-
 def family_target_arch(family: str) -> str:
-    """The arch TileLang lowers for (``sm_80``, ``sm_90a``, ``sm_100a``)."""
-    _check_family(family)
-    return _FAMILY_TABLE[family][0]
+    """The arch TileLang lowers for (``sm_80``, ``sm_90a``, ``sm_100a``): generator/families.py."""
+    return _family(family).lower_arch
 
 
 def family_sass_archs(family: str) -> list[str]:
     """Real archs whose SASS the family's objects hold (as cuobjdump names them, sm_90a -> sm_90a)."""
-    _check_family(family)
-    return [real for _virt, real in _FAMILY_TABLE[family][1]]
+    return list(_family(family).sass)
 
 
 def family_gencode_flags(family: str) -> list[str]:
-    """The nvcc ``-gencode`` list for one family: the single source of these lists."""
-    _check_family(family)
-    _arch, pairs, ptx = _FAMILY_TABLE[family]
-    flags = [f"-gencode=arch={virt},code={real}" for virt, real in pairs]
-    if ptx is not None:
-        flags.append(f"-gencode=arch={ptx},code={ptx}")
+    """The nvcc ``-gencode`` list for one family, from generator/families.py."""
+    fam = _family(family)
+    flags = [f"-gencode=arch={virt},code={real}" for virt, real in fam.gencode]
+    if fam.ptx is not None:
+        flags.append(f"-gencode=arch={fam.ptx},code={fam.ptx}")
     return flags
 
 
@@ -353,7 +332,7 @@ def lower_to_cuda(
     from tilelang import tvm
     from tilelang.jit.adapter.wrapper import TLWrapper
 
-    _check_family(family)
+    _family(family)  # ValueError for an unknown family
     if not _IDENT.match(symbol):
         raise ValueError(f"symbol {symbol!r} is not a C identifier")
     arch = family_target_arch(family)

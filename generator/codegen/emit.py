@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import FusionError, SpecError
+from ..families import render_header
 from ..spec import load_spec
 from ..symbolic import derive
 from .cpu import cpu_header, cpu_source
@@ -120,6 +121,7 @@ def emit(out: Path, families: list[str], specs: list[Path], jobs: int = 0,
         python_files=[str(p) for p in python_files],
         include_dirs=[str(cpu_dir), str(OPS_SRC)],
     )
+    written += write_if_changed(cpu_dir / "redfuser_families.h", render_header())
     written += write_if_changed(out / "sources.cmake", text)
     n_cuda = sum(len(v) for v in cuda_sources.values())
     log(f"done in {time.time() - t0:.1f} s: {len(specs)} op(s), {n_cuda} CUDA file(s), {written} file(s) changed")

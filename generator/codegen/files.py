@@ -33,9 +33,11 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+from ..families import FAMILIES
+
 __all__ = ["KNOWN_FAMILIES", "cmake_quote", "render_sources_cmake", "write_if_changed"]
 
-KNOWN_FAMILIES = ("sm80", "sm89", "sm90a", "sm100a")
+KNOWN_FAMILIES = FAMILIES  # generator/families.py
 
 
 def write_if_changed(path: str | os.PathLike[str], text: str) -> bool:

@@ -111,8 +111,6 @@ logger = logging.getLogger("redfuser_ops")
 _STATS: Counter[str] = Counter()
 _LOGGED: set[str] = set()
 
-# CUDA: the arch family of the library's kernels that runs on a device of this compute capability.
-_FAMILY_OF_CAPABILITY = {(8, 0): "sm80", (8, 6): "sm80", (8, 7): "sm80", (8, 9): "sm80", (9, 0): "sm90a", (10, 0): "sm100a"}
 _CUDA_ATTENTION_HEAD_DIMS = (64, 128, 256)  # fused_attention's CUDA variants (specs/fused_attention.yaml)
 _CUDA_MOE_MAX_EXPERTS = 512  # moe_route's largest CUDA variant (E_cap)
 _ATTENTION_DTYPES = {"cpu": (torch.float32, torch.float16, torch.bfloat16), "cuda": (torch.float16, torch.bfloat16)}
@@ -139,20 +137,26 @@ def _count_fallback(kind: str, reason: str) -> None:
         logger.info("redfuser %s: falling back to transformers' own path (%s)", kind, reason)
 
 
-def _cuda_family(device: torch.device) -> str | None:
-    """The library's arch family that runs on this GPU, or None when it has no CUDA kernels for it."""
-    family = _FAMILY_OF_CAPABILITY.get(torch.cuda.get_device_capability(device))
-    return family if family in _built_families() else None
+def _cuda_family(device: torch.device, op: str) -> str | None:
+    """The arch family of `op`'s CUDA kernels that runs on this GPU (the library's own rule), or None."""
+    major, minor = torch.cuda.get_device_capability(device)
+    families = _op_families(op)
+    if not families:
+        return None
+    try:
+        return torch.ops.redfuser._select_family(op, major, minor, ";".join(families))
+    except RuntimeError:  # the library's message: no family of this op runs on this GPU
+        return None
 
 
-_FAMILIES: tuple[str, ...] | None = None
+_OP_FAMILIES: dict[str, tuple[str, ...]] = {}
 
 
-def _built_families() -> tuple[str, ...]:
-    global _FAMILIES
-    if _FAMILIES is None:
-        _FAMILIES = tuple(redfuser_ops.info()["families"])
-    return _FAMILIES
+def _op_families(op: str) -> tuple[str, ...]:
+    if op not in _OP_FAMILIES:
+        variants = redfuser_ops.info()["ops"].get(op, {}).get("variants", [])
+        _OP_FAMILIES[op] = tuple(sorted({v["family"] for v in variants if v["device"] == "cuda"}))
+    return _OP_FAMILIES[op]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,7 +191,7 @@ def _attention_fallback_reason(query, key, value, attention_mask, dropout, kwarg
         return f"device {device.type}", "sdpa"
     if query.dtype not in _ATTENTION_DTYPES[device.type] or key.dtype != query.dtype or value.dtype != query.dtype:
         return f"dtype {query.dtype} on {device.type}", "sdpa"
-    if device.type == "cuda" and _cuda_family(device) is None:
+    if device.type == "cuda" and _cuda_family(device, "fused_attention") is None:
         return "no CUDA kernels for this GPU in the installed library", "sdpa"
     if _padded_head_dim(device, max(query.shape[-1], value.shape[-1])) is None:
         return f"head dim {max(query.shape[-1], value.shape[-1])} on {device.type}", "sdpa"
@@ -295,7 +299,7 @@ def _route_fallback_reason(hidden_states: torch.Tensor, weight: torch.Tensor, nu
     device = hidden_states.device
     if device.type not in ("cpu", "cuda"):
         return f"device {device.type}"
-    if device.type == "cuda" and (num_experts > _CUDA_MOE_MAX_EXPERTS or _cuda_family(device) is None):
+    if device.type == "cuda" and (num_experts > _CUDA_MOE_MAX_EXPERTS or _cuda_family(device, "moe_route") is None):
         return "no CUDA kernel for this GPU or expert count"
     return None
 

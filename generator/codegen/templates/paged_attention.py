@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ...families import family
 from . import stream_attention as sa
 
 TEMPLATE_VERSION = "paged_attention/1"
@@ -55,7 +56,8 @@ TEMPLATE_VERSION = "paged_attention/1"
 SPLIT_MIN_KEYS = 256
 SPLIT_MAX_SEGMENTS = 64
 
-FAMILIES = {"sm80": "sm_80", "sm90a": "sm_90a", "sm100a": "sm_100a"}
+# the families this template lowers for -> the arch TileLang targets (generator/families.py)
+FAMILIES = {f: family(f).lower_arch for f in ("sm80", "sm90a", "sm100a")}
 DTYPES = sa.DTYPES
 
 

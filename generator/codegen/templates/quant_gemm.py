@@ -51,6 +51,7 @@ import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 
+from ...families import family
 from .stream_attention import _names, _NpT, _Src, render
 
 TEMPLATE_VERSION = "quant_gemm/1"
@@ -105,7 +106,8 @@ class QuantMath:
 
 
 # --------------------------------------------------------------------------------------------- configs
-FAMILIES = {"sm80": "sm_80", "sm89": "sm_89", "sm90a": "sm_90a", "sm100a": "sm_100a"}
+# the families this template lowers for -> the arch TileLang targets (generator/families.py)
+FAMILIES = {f: family(f).lower_arch for f in ("sm80", "sm89", "sm90a", "sm100a")}
 X_DTYPES = ("float16", "bfloat16")
 OUT_DTYPES = ("float16", "bfloat16", "float32")
 FORMS = ("online", "second_pass")

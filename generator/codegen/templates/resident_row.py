@@ -104,6 +104,8 @@ import dataclasses
 import hashlib
 from dataclasses import dataclass
 
+from ...families import family
+
 TEMPLATE_VERSION = "resident_row/1"
 
 __all__ = [
@@ -244,7 +246,8 @@ class StepProgram:
 # Variant
 # --------------------------------------------------------------------------------------------
 
-FAMILIES = {"sm80": "sm_80", "sm90a": "sm_90a", "sm100a": "sm_100a"}
+# the families this template lowers for -> the arch TileLang targets (generator/families.py)
+FAMILIES = {f: family(f).lower_arch for f in ("sm80", "sm90a", "sm100a")}
 DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _DT_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 

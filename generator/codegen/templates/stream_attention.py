@@ -77,6 +77,8 @@ import dataclasses
 import math as _pymath
 from dataclasses import dataclass, field
 
+from ...families import family
+
 TEMPLATE_VERSION = "stream_attention/1"
 
 # --------------------------------------------------------------------------------------------
@@ -167,7 +169,8 @@ CAUSAL = KeyBand("causal", hi="r + 1 + seqlen_k - seqlen_q")
 # Schedule configuration
 # --------------------------------------------------------------------------------------------
 
-FAMILIES = {"sm80": "sm_80", "sm90a": "sm_90a", "sm100a": "sm_100a"}
+# the families this template lowers for -> the arch TileLang targets (generator/families.py)
+FAMILIES = {f: family(f).lower_arch for f in ("sm80", "sm90a", "sm100a")}
 DTYPES = {"float16": "T.float16", "bfloat16": "T.bfloat16"}
 HEAD_DIMS = (64, 128, 256)
 
