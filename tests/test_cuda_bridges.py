@@ -218,7 +218,9 @@ cascade:
 @pytest.mark.parametrize("mask, band, why", [
     ("j >= i - w and j <= i + w", ("r - iparam0", "r + iparam0 + 1"), None),  # a symmetric band
     ("2 * j <= i", None, "is not key"),
-    ("j < lens[b]", None, "reads a tensor"),
+    ("j < lens[b]", (None, "blen0"), None),  # per-sequence lengths: one int32 per batch
+    ("j < lens[i]", None, "per-sequence values L\\[batch\\]"),
+    ("j < lens[b] + lens[b] * j", None, "is not key"),
     ("j <= i or j > i + 8", None, "is not a bound on the key index"),
     ("j <= i and j < i + 3", None, "2 upper bounds"),
     ("j <= i + b", None, "reads"),
@@ -231,6 +233,78 @@ def test_masks_as_bands_or_refusals(mask, band, why):
         return
     _, got, _ = attention_math(op.cases[0])
     assert (got.lo, got.hi) == band
+
+
+# ---- per-sequence lengths read in the mask (tests/specs/padded_attention.yaml)
+@pytest.fixture(scope="module")
+def padded_attention():
+    op = derive(load_spec(ROOT / "tests" / "specs" / "padded_attention.yaml"))
+    return {dict(a.ir.specialization)["causal"]: attention_math(a) for a in op.cases}
+
+
+def _padded_reference(q, k, v, lens, causal, scale):
+    """float64: sequence b sees keys j < lens[b] (causal: j <= i + lens[b] - Sq); a length beyond Sk reads no padding past Sk."""
+    B, Sq, H, _ = q.shape
+    Sk, Hk = k.shape[1], k.shape[2]
+    out = np.zeros(q.shape)
+    lse = np.full((B, H, Sq), -np.inf)
+    for b in range(B):
+        for h in range(H):
+            g = h // (H // Hk)
+            s = scale * q[b, :, h].astype(np.float64) @ k[b, :, g].astype(np.float64).T
+            j, i = np.arange(Sk)[None, :], np.arange(Sq)[:, None]
+            seen = (j <= i + int(lens[b]) - Sq) if causal else (j < int(lens[b]))
+            s = np.where(seen, s, -np.inf)
+            m = s.max(axis=1, keepdims=True)
+            ok = np.isfinite(m[:, 0])
+            p = np.where(seen, np.exp(s - np.where(ok[:, None], m, 0)), 0.0)
+            l_ = p.sum(axis=1)
+            out[b, ok, h] = (p[ok] @ v[b, :, g].astype(np.float64)) / l_[ok, None]
+            lse[b, h, ok] = m[ok, 0] + np.log(l_[ok])
+    return out, lse
+
+
+def test_per_sequence_length_band(padded_attention):
+    _, band, roles = padded_attention[False]
+    assert (band.lo, band.hi, band.tensors) == (None, "blen0", ("blen0",)) and roles.len_tensors == ("kv_lens",)
+    _, band, _ = padded_attention[True]
+    assert band.hi == "r - seqlen_q + blen0 + 1" and band.name == "causal"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("Sq, Sk", [(1, 130), (37, 70), (70, 37)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_per_sequence_lengths_through_the_template_schedule(padded_attention, causal, Sq, Sk, splits):
+    math, band, _ = padded_attention[causal]
+    rng = np.random.default_rng(Sq * 31 + Sk + splits)
+    # lengths: empty, one key, a tail, exactly Sk, and beyond Sk (the mask as written; no key past Sk is read)
+    lens = np.array([0, 1, Sk // 2 + 3, Sk, Sk + 50], np.int32)
+    B = len(lens)
+    q = rng.standard_normal((B, Sq, 4, 64)).astype(np.float32)
+    k = rng.standard_normal((B, Sk, 2, 64)).astype(np.float32)
+    v = rng.standard_normal((B, Sk, 2, 64)).astype(np.float32)
+    o, lse = sa.simulate(math, q, k, v, band, {"fparam0": 0.125, "blen0": lens}, block_m=16, block_n=32,
+                         num_splits=splits)
+    ro, rl = _padded_reference(q, k, v, lens, causal, 0.125)
+    assert np.isfinite(o).all() and np.abs(o - ro).max() < 2e-5
+    finite = np.isfinite(rl)
+    assert np.array_equal(np.isfinite(lse), finite) and np.array_equal(lse[~finite], rl[~finite])
+    assert np.abs(lse[finite] - rl[finite]).max() < 1e-4
+
+
+def test_per_sequence_lengths_reach_the_kernel_and_its_launch(padded_attention):
+    from generator.codegen.cuda import cuda_plan
+    from generator.codegen.templates.stream_attention_bridge import attention_body
+
+    spec = load_spec(ROOT / "tests" / "specs" / "padded_attention.yaml")
+    plan = cuda_plan(spec, derive(spec), ["sm80", "sm90a"], lambda *_: None)[0]
+    fwd = [j for j in plan.jobs if "splitkv" not in j.symbol and "combine" not in j.symbol]
+    assert len(fwd) == 4  # (sm80, sm90a) x (masked, causal)
+    for job in fwd:  # the per-batch value is read once per CTA, from the buffer the launcher passes
+        assert "blen0 = Blen0[bz]" in job.program and "Blen0" in job.program.split("def ", 2)[2].split("):")[0]
+    params = [("Q", "pointer", "", ""), ("Blen0", "pointer", "", ""), ("stream", "stream", "", "")]
+    body = "\n".join(attention_body(spec, plan, {j.symbol: {"params": params} for j in plan.jobs}))
+    assert "torch::stable::copy_(blen0, kv_lens);" in body and "redfuser::batch_ptr(blen0, b_launch0)" in body
 
 
 # ---- template choice: a spec's cuda section may omit `template:`

@@ -148,8 +148,9 @@ class AttentionMath:
 class KeyBand:
     """The keys query row ``r`` sees: ``lo <= j < hi`` (and always ``0 <= j < seqlen_k``).
 
-    ``lo`` and ``hi`` are affine int32 expressions over ``r``, ``seqlen_q``, ``seqlen_k`` and the int kernel
-    arguments in ``params`` (``None``: unbounded on that side). Per K/V tile the schedule derives from them which
+    ``lo`` and ``hi`` are affine int32 expressions over ``r``, ``seqlen_q``, ``seqlen_k``, the int kernel
+    arguments in ``params`` and the per-sequence values in ``tensors`` (``blen0`` is ``Blen0[b]``, an int32 buffer
+    of one value per batch: key lengths of a padded batch) (``None``: unbounded on that side). Per K/V tile the schedule derives from them which
     tiles every row of a q-block sees completely (no compare), which it sees in part (masked compare) and which
     none of its rows sees (never loaded): the bounds of a block are the band's values at its first and last rows,
     exact for affine bounds.
@@ -159,6 +160,7 @@ class KeyBand:
     lo: str | None = None
     hi: str | None = None
     params: tuple[str, ...] = ()  # int32 kernel arguments the bounds read, after the float params
+    tensors: tuple[str, ...] = ()  # per-sequence int32 values the bounds read: blen0 = Blen0[batch], ...
 
 
 # bottom-right aligned causal: query r sees keys j <= r + seqlen_k - seqlen_q
@@ -665,6 +667,8 @@ def emit_attention_program(math: AttentionMath, cfg: AttentionConfig, symbol: st
         src(b, f"q_blk = {qb_lin}")
     src(b, f"q0 = q_blk * {BM}")
     src(b, "kv_head = T.truncdiv(by, T.truncdiv(heads, heads_kv))")
+    for t in _band_tensors(cfg):
+        src(b, f"{t} = {_buffer(t)}[bz]")
     # tiles [tile_lo, n_tiles) hold every key some row of the block sees; tiles [full_lo, n_full) are seen
     # completely by every row (affine bounds take their extremes over the block at its first and last row)
     if band is not None and band.hi is not None:
@@ -732,7 +736,8 @@ def emit_attention_program(math: AttentionMath, cfg: AttentionConfig, symbol: st
 
 def _band_at(band: KeyBand, expr: str, row: str) -> str:
     """A bound of the band at query row ``row`` (TileLang text)."""
-    names = {"r": f"({row})", "seqlen_q": "seqlen_q", "seqlen_k": "seqlen_k", **{p: p for p in band.params}}
+    names = {"r": f"({row})", "seqlen_q": "seqlen_q", "seqlen_k": "seqlen_k", **{p: p for p in band.params},
+             **{t: t for t in band.tensors}}
     return render(expr, names, f"mask bound of {band.name}")
 
 
@@ -771,6 +776,8 @@ def _emit_forward_signature(src: _Src, math: AttentionMath, cfg: AttentionConfig
         else:
             src(2, f"O: T.Tensor((batch, seqlen_q, heads, {D}), dtype),")
             src(2, "LSE: T.Tensor((batch, heads, seqlen_q), accum_dtype),")
+        for t in _band_tensors(cfg):
+            src(2, f"{_buffer(t)}: T.Tensor((batch,), T.int32),")
         for p in math.params:
             src(2, f"{p}: T.float32,")
         for p in _band_params(cfg):
@@ -783,7 +790,7 @@ def _emit_forward_signature(src: _Src, math: AttentionMath, cfg: AttentionConfig
     src(1, "@T.prim_func")
     src(1, f"def {symbol}(")
     outs = ("Opart", "Spart") if cfg.split_kv else ("O", "LSE")
-    for name in ("Q", "K", "V") + outs:
+    for name in ("Q", "K", "V") + outs + tuple(_buffer(t) for t in _band_tensors(cfg)):
         src(2, f"{name}_ptr: T.ptr,")
     for p in math.params:
         src(2, f"{p}: T.float32,")
@@ -801,10 +808,21 @@ def _emit_forward_signature(src: _Src, math: AttentionMath, cfg: AttentionConfig
     else:
         src(2, f"O = T.make_tensor(O_ptr, (batch, seqlen_q, heads, {D}), dtype)")
         src(2, "LSE = T.make_tensor(LSE_ptr, (batch, heads, seqlen_q), accum_dtype)")
+    for t in _band_tensors(cfg):
+        src(2, f"{_buffer(t)} = T.make_tensor({_buffer(t)}_ptr, (batch,), T.int32)")
 
 
 def _band_params(cfg: AttentionConfig) -> tuple[str, ...]:
     return cfg.key_band.params if cfg.key_band is not None else ()
+
+
+def _band_tensors(cfg: AttentionConfig) -> tuple[str, ...]:
+    return cfg.key_band.tensors if cfg.key_band is not None else ()
+
+
+def _buffer(value: str) -> str:
+    """The buffer holding a per-sequence band value: blen0 -> Blen0."""
+    return value[0].upper() + value[1:]
 
 
 def _emit_assumptions(src: _Src, b: int, strides: bool) -> None:
@@ -1200,10 +1218,13 @@ def _simulate(math, q, k, v, causal, params, block_m, block_n, num_splits, p_dty
     int_env = {"seqlen_q": Sq, "seqlen_k": Sk}
     if band is not None:
         int_env.update({p: int(params[p]) for p in band.params})
-    base_env.update({p: f32(val) for p, val in params.items() if band is None or p not in band.params})
+    per_batch = {t: np.asarray(params[t]) for t in band.tensors} if band is not None else {}
+    base_env.update({p: f32(val) for p, val in params.items()
+                     if band is None or (p not in band.params and p not in band.tensors)})
 
     def bound(expr, rows):
-        return np.asarray(eval(compile(expr, "<band>", "eval"), {"__builtins__": {}}, {**int_env, "r": rows}), np.int64)
+        val = eval(compile(expr, "<band>", "eval"), {"__builtins__": {}}, {**int_env, "r": rows})
+        return np.broadcast_to(np.asarray(val, np.int64), rows.shape)  # a bound that does not read the row
 
     def ev(expr, env):
         with np.errstate(all="ignore"):
@@ -1211,6 +1232,7 @@ def _simulate(math, q, k, v, causal, params, block_m, block_n, num_splits, p_dty
 
     n_qb = -(-Sq // block_m)
     for bz in range(B):
+        int_env.update({t: int(vals[bz]) for t, vals in per_batch.items()})
         for by in range(H):
             kvh = by // groups
             for qb in range(n_qb):

@@ -47,6 +47,7 @@ class AttentionRoles:
     float_params: tuple[str, ...]  # scalars the math reads: kernel arguments fparam0, fparam1, ...
     int_params: tuple[str, ...]  # int scalars the mask reads: kernel arguments iparam0, ...
     empty: tuple[tuple[str, float], ...]  # output -> its value for a row that sees no key
+    len_tensors: tuple[str, ...] = ()  # per-batch int tensors the mask reads (lens[batch]): buffers Blen0, ...
 
 
 def _axis(e: sp.Basic, where: str, what: str) -> str:
@@ -112,18 +113,40 @@ def _roles(a: Analysis, contraction: sp.Sum, acc, where: str) -> tuple[dict, sp.
     return {**ax, **names}, v_read
 
 
-def key_band(a: Analysis, query: sp.Symbol, name: str, where: str):
-    """The mask as a band lo <= key < hi, each affine in the query row (or a refusal with the reason)."""
+def _per_batch_reads(a: Analysis, mask: sp.Basic, batch: sp.Symbol | None, where: str):
+    """The mask's tensor reads, each `lens[batch]` of a 1-D int tensor (per-sequence lengths), as symbols
+    blen0, blen1, ... (in order of the tensor's name), or a refusal naming the read."""
+    reads = sorted(mask.atoms(sp.Indexed), key=str)
+    subst: dict[sp.Indexed, sp.Symbol] = {}
+    tensors: list[str] = []
+    for rd in reads:
+        name = str(rd.base.label)
+        arg = a.ir.tensor_args.get(name)
+        if (batch is None or rd.indices != (batch,) or arg is None or len(arg.shape) != 1 or not arg.dtypes
+                or not all(str(d).startswith("int") for d in arg.dtypes)):
+            raise BridgeError(f"{where}: the mask reads {rd}; stream_attention takes tensor reads only as "
+                              f"per-sequence values L[batch] of a 1-D int tensor")
+        if name not in tensors:
+            tensors.append(name)
+        subst[rd] = sp.Symbol(f"blen{tensors.index(name)}", integer=True)
+    return subst, tuple(tensors)
+
+
+def key_band(a: Analysis, query: sp.Symbol, name: str, where: str, batch: sp.Symbol | None = None):
+    """The mask as a band lo <= key < hi, each affine in the query row, the lengths, int arguments and per-sequence
+    values L[batch] (or a refusal with the reason). Returns (band, int scalars read, per-batch tensors read)."""
     from . import stream_attention as sa
 
     ir = a.ir
     mask = ir.mask
     if mask in (sp.true, True):
-        return None, ()
+        return None, (), ()
     j = ir.indices[ir.over]
     sq, sk = ir.extents[str(query)], ir.extents[ir.over]
     ints = {s: n for n, s in ir.scalars.items() if s.is_integer}
-    known = {query: "r", sq: "seqlen_q", sk: "seqlen_k"}
+    subst, len_tensors = _per_batch_reads(a, mask, batch, where)
+    mask = mask.xreplace(subst)
+    known = {query: "r", sq: "seqlen_q", sk: "seqlen_k", **{s: str(s) for s in subst.values()}}
     atoms = mask.args if isinstance(mask, sp.And) else (mask,)
     lo: list[sp.Expr] = []
     hi: list[sp.Expr] = []
@@ -131,9 +154,6 @@ def key_band(a: Analysis, query: sp.Symbol, name: str, where: str):
         if not isinstance(rel, (sp.Le, sp.Lt, sp.Ge, sp.Gt)):
             raise BridgeError(f"{where}: the mask term {rel} is not a bound on the key index (stream_attention "
                               f"masks a band lo(row) <= key < hi(row))")
-        if rel.atoms(sp.Indexed):
-            raise BridgeError(f"{where}: the mask term {rel} reads a tensor (e.g. per-sequence lengths); "
-                              f"stream_attention takes no per-batch bounds")
         diff = sp.expand(rel.lhs - rel.rhs)
         cj = diff.coeff(j)
         rest = sp.expand(diff - cj * j)
@@ -163,7 +183,7 @@ def key_band(a: Analysis, query: sp.Symbol, name: str, where: str):
         e = sp.expand(e)
         const, _ = e.as_coeff_Add()
         # in the template's order of names (never the spec's), so that renaming the spec leaves the text alone
-        order = ["r", "seqlen_q", "seqlen_k", *pnames.values()]
+        order = ["r", "seqlen_q", "seqlen_k", *pnames.values(), *(f"blen{k}" for k in range(len(len_tensors)))]
         terms = sorted(((e.coeff(s), known.get(s) or pnames[s]) for s in e.free_symbols), key=lambda t: order.index(t[1]))
         if not const.is_Integer or not all(co.is_Integer for co, _ in terms):
             raise BridgeError(f"{where}: the mask bound {e} has non-integer coefficients")
@@ -178,8 +198,8 @@ def key_band(a: Analysis, query: sp.Symbol, name: str, where: str):
         return (out[2:] if out.startswith("+ ") else "-" + out[2:]) if out else "0"
 
     band = sa.KeyBand(name, lo=text(lo[0]) if lo else None, hi=text(hi[0]) if hi else None,
-                      params=tuple(pnames.values()))
-    return band, tuple(used)
+                      params=tuple(pnames.values()), tensors=tuple(f"blen{k}" for k in range(len(len_tensors))))
+    return band, tuple(used), len_tensors
 
 
 def _case_kind(a: Analysis, masked: bool) -> str:
@@ -231,7 +251,8 @@ def attention_math(a: Analysis, kind: str | None = None):
     weight = sp.simplify(acc.term / v_read)
     if weight.has(free):
         raise BridgeError(f"{where}: the weighted sum must be (element weight) x V[j, d], got {acc.term}")
-    band, int_params = key_band(a, roles["query_index"], kind or _case_kind(a, ir.mask not in (sp.true, True)), where)
+    band, int_params, len_tensors = key_band(a, roles["query_index"], kind or _case_kind(a, ir.mask not in (sp.true, True)),
+                                             where, roles["batch_index"])
     mask_value = a.mask_value.get(score_let.symbol)
     if mask_value is None:
         raise BridgeError(f"{where}: no score value makes every term neutral (needed for masked keys)")
@@ -297,6 +318,7 @@ def attention_math(a: Analysis, kind: str | None = None):
         q=roles["q"], k=roles["k"], v=roles["v"], out=out_o.name, lse=out_lse.name,
         batch=roles["batch"], query=roles["query"], head=roles["head"], key=roles["key"],
         kv_head=roles["kv_head"], dim=roles["dim"], float_params=float_params, int_params=int_params,
+        len_tensors=len_tensors,
         empty=_empty_values(a, where),
     )
     return math, band, binding
@@ -394,8 +416,8 @@ def attention_body(spec: OpSpec, plan: Plan, lowered: dict[str, dict]) -> list[s
         f"  const Tensor vv = fits({v}) ? {v} : dense_copy({v});",
         f"  for (int64_t s : {{{sz['query']}, {sz['key']}, {sz['head']}, {sz['kv_head']}}})",
         # with int arguments in the mask's bounds (each below 2**30), lengths below 2**30 keep the bounds in int32
-        (f"    check(s < (int64_t(1) << {30 if r.int_params else 31}), kOp, \"sizes must be below 2^"
-         f"{30 if r.int_params else 31} on CUDA\");"),
+        (f"    check(s < (int64_t(1) << {30 if r.int_params or r.len_tensors else 31}), kOp, \"sizes must be below 2^"
+         f"{30 if r.int_params or r.len_tensors else 31} on CUDA\");"),
     ]
     for n in r.int_params:
         L.append(f"  check(A.p_{n} >= -(int64_t(1) << 30) && A.p_{n} < (int64_t(1) << 30), kOp, "
@@ -415,6 +437,10 @@ def attention_body(spec: OpSpec, plan: Plan, lowered: dict[str, dict]) -> list[s
         "  const int32_t sms = redfuser::device_sm_count(kOp, ctx.device());",
         "  bool launched = false;",
     ]
+    for i, t in enumerate(r.len_tensors):
+        # per-sequence values of the mask (lens[batch]): read by the kernels as one int32 per batch
+        L += [f"  Tensor blen{i} = torch::stable::new_empty({t}, {{{sz['batch']}}}, ScalarType::Int);",
+              f"  torch::stable::copy_(blen{i}, {t});  // int64 -> int32 (values beyond int32 are not meaningful)"]
     params = {f"fparam{i}": f"static_cast<float>(A.p_{n})" for i, n in enumerate(r.float_params)}
     params.update({f"iparam{i}": f"A.p_{n}" for i, n in enumerate(r.int_params)})
     for fam, dtype, D, conds, cfg, fwd, split, comb, unit, nst in plan.entries:  # type: ignore[attr-defined]
@@ -427,7 +453,9 @@ def attention_body(spec: OpSpec, plan: Plan, lowered: dict[str, dict]) -> list[s
         ptrs = {"Q": "redfuser::batch_ptr(qq, b_launch0)", "K": "redfuser::batch_ptr(kk, b_launch0)",
                 "V": "redfuser::batch_ptr(vv, b_launch0)", "O": f"redfuser::batch_ptr(c.{r.out}, b_launch0)",
                 "LSE": f"redfuser::batch_ptr(c.{r.lse}, b_launch0)",
-                "Opart": "opart.mutable_data_ptr()", "Spart": "spart.mutable_data_ptr()"}
+                "Opart": "opart.mutable_data_ptr()", "Spart": "spart.mutable_data_ptr()",
+                **{f"Blen{i}{sfx}": f"redfuser::batch_ptr(blen{i}, b_launch0)"
+                   for i in range(len(r.len_tensors)) for sfx in ("", "_ptr")}}
         args = {**strides, **dims_, **ptrs, **params}
         L += [
             f"  if ({cond}) for (int64_t b_launch0 = 0; b_launch0 < {sz['batch']}; b_launch0 += bchunk) {{",
