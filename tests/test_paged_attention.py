@@ -79,11 +79,12 @@ def _check(kernel, causal, q, kv, bt, lens, **kw):
 
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("Hq, Sq", [(1, 1), (16, 1), (16, 4), (128, 2)])
+@pytest.mark.parametrize("Hq, Sq", [(1, 1), (16, 1), (8, 2), (16, 4), (128, 3)])
 def test_engine_math_through_the_paged_schedule(kernel, Hq, Sq, causal, splits):
+    """Hq 1/16/128 and Sq 1..4 (Hq x Sq up to 384 packed rows: six 64-row slices), every length of the issue in
+    one batch, causal and not, one segment and three."""
     rng = np.random.default_rng(Hq * 10 + Sq)
-    lens = [0, 1, 63, 64, 65, 4097] if Hq * Sq <= 64 else [0, 1, 65, 4097]
-    q, kv, bt, ln = _case(rng, lens, Sq, Hq)
+    q, kv, bt, ln = _case(rng, [0, 1, 63, 64, 65, 4097], Sq, Hq)
     q[-1, 0, 0] *= -300.0  # scores far below zero: the first correction must not overflow
     o, lse = _check(kernel, causal, q, kv, bt, ln, splits=splits)
     assert (o[0] == 0).all() and np.isneginf(lse[0]).all()  # length 0: out 0, lse -inf
@@ -105,6 +106,17 @@ def test_causal_rows_before_the_first_key(kernel):
     q, kv, bt, ln = _case(rng, [2, 5], 4, 8)
     o, lse = _check(kernel, True, q, kv, bt, ln, splits=2)
     assert (o[0, :2] == 0).all() and np.isneginf(lse[0, :, :2]).all() and np.isfinite(lse[0, :, 2:]).all()
+
+
+@pytest.mark.parametrize("family", ["sm90a", "sm100a"])
+def test_tma_families_share_the_schedule(kernel, family):
+    """sm100a runs the TMA schedule of sm90a (64 packed rows, whole-page tiles, two in flight); its simulation
+    matches the reference with split-KV over a batch of mixed lengths."""
+    cfg = pa.default_config(family, "float16", DV, True)
+    assert (cfg.block_m, cfg.block_n, cfg.num_stages, cfg.producer_regs) == (64, PAGE, 2, 40)
+    rng = np.random.default_rng(5)
+    q, kv, bt, ln = _case(rng, [0, 64, 130, 700], 2, 16)
+    _check(kernel, True, q, kv, bt, ln, family=family, splits=2)
 
 
 def test_out_of_range_pages_are_clamped_not_read(kernel):
@@ -139,7 +151,7 @@ def test_renamed_spec_gives_the_same_kernel(kernel, tmp_path):
     assert {t.name for t in spec.tensors} == {"query", "pool", "pages", "lengths"}
     math, roles, r, flag = pb.kernel_math(derive(spec))
     assert flag == "causal" and str(r["lens"]) == "lengths[n]"
-    for fam in ("sm80", "sm90a"):
+    for fam in ("sm80", "sm90a", "sm100a"):
         for split in (False, True):
             cfg = pa.default_config(fam, "float16", DV, split)
             assert pa.emit_paged_program(math, roles, cfg, "k") == pa.emit_paged_program(*kernel, cfg, "k")
@@ -147,10 +159,12 @@ def test_renamed_spec_gives_the_same_kernel(kernel, tmp_path):
 
 
 def test_every_variant_emits_valid_python():
-    op = derive(load_spec(SPEC))
-    plan = pb.paged_plan(load_spec(SPEC), op, ["sm80", "sm90a"])
+    spec = load_spec(SPEC)
+    families = spec.variants.cuda.families
+    assert set(families) == {"sm80", "sm90a", "sm100a"}  # the issue's three families
+    plan = pb.paged_plan(spec, derive(spec), list(families))
     # per family and dtype: the single-segment kernel, the split kernel, the combine (causal is a run-time flag)
-    assert len(plan.jobs) == 2 * 2 * 3
+    assert len(plan.jobs) == 3 * 2 * 3 and {j.family for j in plan.jobs} == {"sm80", "sm90a", "sm100a"}
     for job in plan.jobs:
         compile(job.program, job.symbol, "exec")
         assert f"def {job.symbol}(" in job.program
@@ -182,5 +196,6 @@ def test_split_plan_uses_host_sizes_only():
 
 def test_shared_memory_fits_each_family(kernel):
     _, roles = kernel
-    assert pa.shared_bytes(pa.default_config("sm90a", "bfloat16", DV), roles) <= 227 * 1024
+    for fam in ("sm90a", "sm100a"):
+        assert pa.shared_bytes(pa.default_config(fam, "bfloat16", DV), roles) <= 227 * 1024
     assert pa.shared_bytes(pa.default_config("sm80", "bfloat16", DV), roles) <= 99 * 1024
