@@ -8,6 +8,7 @@ specs/mla_decode.yaml against the float64 reference (redfuser_ops.reference.mla_
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -158,11 +159,17 @@ def test_renamed_spec_gives_the_same_kernel(kernel, tmp_path):
             assert pa.emit_combine_program(math, cfg, "k") == pa.emit_combine_program(kernel[0], cfg, "k")
 
 
-def test_every_variant_emits_valid_python():
+@pytest.fixture(scope="module")
+def plan():
+    """The CUDA plan of specs/mla_decode.yaml for the families it lists."""
     spec = load_spec(SPEC)
     families = spec.variants.cuda.families
     assert set(families) == {"sm80", "sm90a", "sm100a"}  # the issue's three families
-    plan = pb.paged_plan(spec, derive(spec), list(families))
+    return spec, pb.paged_plan(spec, derive(spec), list(families))
+
+
+def test_every_variant_emits_valid_python(plan):
+    _, plan = plan
     # per family and dtype: the single-segment kernel, the split kernel, the combine (causal is a run-time flag)
     assert len(plan.jobs) == 3 * 2 * 3 and {j.family for j in plan.jobs} == {"sm80", "sm90a", "sm100a"}
     for job in plan.jobs:
@@ -179,6 +186,33 @@ def test_masked_v_rows_and_page_clamps_in_the_program(kernel):
             "kv_len)") in text
     # V is the cached tile itself: one load of the 512 channels serves both GEMMs
     assert text.count("T.copy(KV[page") == 2 and "T.gemm(P_shared, KV_shared, acc_o" in text
+
+
+def _launcher_params(program: str) -> list[tuple]:
+    """A lowered kernel's launcher parameters as TileLang's wrapper orders them: tensors, float params, ints."""
+    tensors = re.findall(r"^\s+(\w+): T\.Tensor\(", program, re.MULTILINE)
+    consts = dict(re.findall(r"^(PARAMS|CALL_INT_ARGS) = (\(.*?\))", program, re.MULTILINE))
+    floats, ints = (ast.literal_eval(consts[k]) for k in ("PARAMS", "CALL_INT_ARGS"))
+    return ([(t, "pointer", "", "void*") for t in tensors] + [(f, "scalar", "float32", "float") for f in floats]
+            + [(i, "dim", "int32", "int32_t") for i in ints] + [("stream", "stream", "", "void*")])
+
+
+def test_launch_plan_reads_no_device_memory(plan):
+    """CUDA-graph capture: the glue chooses the split count from host-known sizes (batch, packed rows, the
+    table's capacity, the SM count) and never copies device data to the host, for every family."""
+    spec, plan = plan
+    lowered = {j.symbol: {"params": _launcher_params(j.program)} for j in plan.jobs}
+    body = "\n".join(pb.paged_body(spec, plan, lowered))
+    calls = re.findall(r"const int ns = choose_num_splits\((.*)\);", body)
+    assert len(calls) == len(plan.entries) == 3 * 2
+    for args in calls:
+        names = set(re.findall(r"[A-Za-z_][\w.]*", args))
+        assert names <= {"A.sz_B", "A.sz_MB", "rows", "sms"}, names
+    assert "const int64_t rows = A.sz_Sq * A.sz_Hq;" in body
+    for host_read in ("item(", "cpu", "Memcpy", "ynchronize", "DeviceType::CPU", "values_of", "to_host"):
+        assert host_read not in body, host_read
+    for fam in ("sm80", "sm90a", "sm100a"):  # each family launches its own three kernels
+        assert f'fam == "{fam}"' in body and f"kV_mla_decode_combine__bf16_v512__{fam}" in body
 
 
 def test_bridge_refuses_an_unpaged_cascade():
