@@ -463,20 +463,26 @@ def _rows_cases(op: str) -> Callable[[str, str], list[Case]]:
 
 
 def mla_cases(device: str, size: str) -> list[Case]:
-    """(B, ctx, Hq): small batches at long contexts take the split-KV path; B 64..128 at 4k..16k with Hq 16 is the
-    bandwidth target, Hq 128 the compute-bound one."""
+    """(B, ctx, Hq[, Sq]): small batches at long contexts take the split-KV path; B 64..128 at 4k..16k with Hq 16 is
+    the bandwidth target, Hq 128 the compute-bound one; Sq 2 (causal) is speculative / multi-token decoding."""
     if device == "cuda":
         dtypes = [torch.bfloat16]
-        shapes = {"full": [(b, c, h) for h in (16, 128) for b in (1, 8, 64, 128) for c in (1024, 4096, 16384, 32768)],
+        shapes = {"full": [(b, c, h) for h in (16, 128) for b in (1, 8, 64, 128) for c in (1024, 4096, 16384, 32768)]
+                  + [(64, 4096, 16, 2), (64, 4096, 128, 2)],
                   "quick": [(64, 4096, 16), (128, 16384, 16), (1, 32768, 16), (64, 4096, 128), (8, 16384, 128)],
                   "tiny": [(2, 1000, 16)]}[size]
     else:
         dtypes = [torch.bfloat16]
-        shapes = {"full": [(1, 4096, 16), (8, 4096, 16), (8, 2048, 128)], "quick": [(1, 4096, 16), (8, 1024, 128)],
-                  "tiny": [(2, 300, 16)]}[size]
+        shapes = {"full": [(1, 4096, 16), (8, 4096, 16), (8, 2048, 128), (8, 2048, 16, 2)],
+                  "quick": [(1, 4096, 16), (8, 1024, 128)],
+                  "tiny": [(2, 300, 16), (2, 300, 4, 3)]}[size]
     peer_names = ["eager", "compile"] if size != "tiny" else ["eager"]
-    return [mla_case(B, ctx, Hq, 1, dt, False, device, peer_names, 4) for dt in dtypes for B, ctx, Hq in shapes]
-
+    out = []
+    for dt in dtypes:
+        for B, ctx, Hq, *sq in shapes:
+            Sq = sq[0] if sq else 1
+            out.append(mla_case(B, ctx, Hq, Sq, dt, Sq > 1, device, peer_names, 4))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------

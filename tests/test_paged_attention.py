@@ -8,6 +8,7 @@ specs/mla_decode.yaml against the float64 reference (redfuser_ops.reference.mla_
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -79,11 +80,12 @@ def _check(kernel, causal, q, kv, bt, lens, **kw):
 
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("Hq, Sq", [(1, 1), (16, 1), (16, 4), (128, 2)])
+@pytest.mark.parametrize("Hq, Sq", [(1, 1), (16, 1), (8, 2), (16, 4), (128, 3)])
 def test_engine_math_through_the_paged_schedule(kernel, Hq, Sq, causal, splits):
+    """Hq 1/16/128 and Sq 1..4 (Hq x Sq up to 384 packed rows: six 64-row slices), every length of the issue in
+    one batch, causal and not, one segment and three."""
     rng = np.random.default_rng(Hq * 10 + Sq)
-    lens = [0, 1, 63, 64, 65, 4097] if Hq * Sq <= 64 else [0, 1, 65, 4097]
-    q, kv, bt, ln = _case(rng, lens, Sq, Hq)
+    q, kv, bt, ln = _case(rng, [0, 1, 63, 64, 65, 4097], Sq, Hq)
     q[-1, 0, 0] *= -300.0  # scores far below zero: the first correction must not overflow
     o, lse = _check(kernel, causal, q, kv, bt, ln, splits=splits)
     assert (o[0] == 0).all() and np.isneginf(lse[0]).all()  # length 0: out 0, lse -inf
@@ -105,6 +107,17 @@ def test_causal_rows_before_the_first_key(kernel):
     q, kv, bt, ln = _case(rng, [2, 5], 4, 8)
     o, lse = _check(kernel, True, q, kv, bt, ln, splits=2)
     assert (o[0, :2] == 0).all() and np.isneginf(lse[0, :, :2]).all() and np.isfinite(lse[0, :, 2:]).all()
+
+
+@pytest.mark.parametrize("family", ["sm90a", "sm100a"])
+def test_tma_families_share_the_schedule(kernel, family):
+    """sm100a runs the TMA schedule of sm90a (64 packed rows, whole-page tiles, two in flight); its simulation
+    matches the reference with split-KV over a batch of mixed lengths."""
+    cfg = pa.default_config(family, "float16", DV, True)
+    assert (cfg.block_m, cfg.block_n, cfg.num_stages, cfg.producer_regs) == (64, PAGE, 2, 40)
+    rng = np.random.default_rng(5)
+    q, kv, bt, ln = _case(rng, [0, 64, 130, 700], 2, 16)
+    _check(kernel, True, q, kv, bt, ln, family=family, splits=2)
 
 
 def test_out_of_range_pages_are_clamped_not_read(kernel):
@@ -139,18 +152,26 @@ def test_renamed_spec_gives_the_same_kernel(kernel, tmp_path):
     assert {t.name for t in spec.tensors} == {"query", "pool", "pages", "lengths"}
     math, roles, r, flag = pb.kernel_math(derive(spec))
     assert flag == "causal" and str(r["lens"]) == "lengths[n]"
-    for fam in ("sm80", "sm90a"):
+    for fam in ("sm80", "sm90a", "sm100a"):
         for split in (False, True):
             cfg = pa.default_config(fam, "float16", DV, split)
             assert pa.emit_paged_program(math, roles, cfg, "k") == pa.emit_paged_program(*kernel, cfg, "k")
             assert pa.emit_combine_program(math, cfg, "k") == pa.emit_combine_program(kernel[0], cfg, "k")
 
 
-def test_every_variant_emits_valid_python():
-    op = derive(load_spec(SPEC))
-    plan = pb.paged_plan(load_spec(SPEC), op, ["sm80", "sm90a"])
+@pytest.fixture(scope="module")
+def plan():
+    """The CUDA plan of specs/mla_decode.yaml for the families it lists."""
+    spec = load_spec(SPEC)
+    families = spec.variants.cuda.families
+    assert set(families) == {"sm80", "sm90a", "sm100a"}  # the issue's three families
+    return spec, pb.paged_plan(spec, derive(spec), list(families))
+
+
+def test_every_variant_emits_valid_python(plan):
+    _, plan = plan
     # per family and dtype: the single-segment kernel, the split kernel, the combine (causal is a run-time flag)
-    assert len(plan.jobs) == 2 * 2 * 3
+    assert len(plan.jobs) == 3 * 2 * 3 and {j.family for j in plan.jobs} == {"sm80", "sm90a", "sm100a"}
     for job in plan.jobs:
         compile(job.program, job.symbol, "exec")
         assert f"def {job.symbol}(" in job.program
@@ -165,6 +186,33 @@ def test_masked_v_rows_and_page_clamps_in_the_program(kernel):
             "kv_len)") in text
     # V is the cached tile itself: one load of the 512 channels serves both GEMMs
     assert text.count("T.copy(KV[page") == 2 and "T.gemm(P_shared, KV_shared, acc_o" in text
+
+
+def _launcher_params(program: str) -> list[tuple]:
+    """A lowered kernel's launcher parameters as TileLang's wrapper orders them: tensors, float params, ints."""
+    tensors = re.findall(r"^\s+(\w+): T\.Tensor\(", program, re.MULTILINE)
+    consts = dict(re.findall(r"^(PARAMS|CALL_INT_ARGS) = (\(.*?\))", program, re.MULTILINE))
+    floats, ints = (ast.literal_eval(consts[k]) for k in ("PARAMS", "CALL_INT_ARGS"))
+    return ([(t, "pointer", "", "void*") for t in tensors] + [(f, "scalar", "float32", "float") for f in floats]
+            + [(i, "dim", "int32", "int32_t") for i in ints] + [("stream", "stream", "", "void*")])
+
+
+def test_launch_plan_reads_no_device_memory(plan):
+    """CUDA-graph capture: the glue chooses the split count from host-known sizes (batch, packed rows, the
+    table's capacity, the SM count) and never copies device data to the host, for every family."""
+    spec, plan = plan
+    lowered = {j.symbol: {"params": _launcher_params(j.program)} for j in plan.jobs}
+    body = "\n".join(pb.paged_body(spec, plan, lowered))
+    calls = re.findall(r"const int ns = choose_num_splits\((.*)\);", body)
+    assert len(calls) == len(plan.entries) == 3 * 2
+    for args in calls:
+        names = set(re.findall(r"[A-Za-z_][\w.]*", args))
+        assert names <= {"A.sz_B", "A.sz_MB", "rows", "sms"}, names
+    assert "const int64_t rows = A.sz_Sq * A.sz_Hq;" in body
+    for host_read in ("item(", "cpu", "Memcpy", "ynchronize", "DeviceType::CPU", "values_of", "to_host"):
+        assert host_read not in body, host_read
+    for fam in ("sm80", "sm90a", "sm100a"):  # each family launches its own three kernels
+        assert f'fam == "{fam}"' in body and f"kV_mla_decode_combine__bf16_v512__{fam}" in body
 
 
 def test_bridge_refuses_an_unpaged_cascade():
@@ -182,5 +230,6 @@ def test_split_plan_uses_host_sizes_only():
 
 def test_shared_memory_fits_each_family(kernel):
     _, roles = kernel
-    assert pa.shared_bytes(pa.default_config("sm90a", "bfloat16", DV), roles) <= 227 * 1024
+    for fam in ("sm90a", "sm100a"):
+        assert pa.shared_bytes(pa.default_config(fam, "bfloat16", DV), roles) <= 227 * 1024
     assert pa.shared_bytes(pa.default_config("sm80", "bfloat16", DV), roles) <= 99 * 1024
