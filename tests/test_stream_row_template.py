@@ -45,10 +45,12 @@ def build_sim(name: str, dtype: str, threads: int = 256):
     """Emit the engine's math of spec ``name`` as the cpu_sim program, lower it (TileLang "c"), compile, load."""
     spec, op = engine(name)
     math, roles = stream_math(spec, op)
+    v = sr.StreamVariant(dtype, threads=threads)
     symbol = f"sim_{name}_{dtype}_{threads}"
-    text = sr.emit_stream_row_program(math, sr.StreamVariant(dtype, threads=threads), symbol, backend="cpu_sim")
-    lib, _ = compile_c_program(text, symbol)
-    return lib, math, roles
+    lib, _ = compile_c_program(sr.emit_stream_row_program(math, v, symbol, backend="cpu_sim"), symbol)
+    merge, _ = compile_c_program(sr.emit_stream_row_merge(math, v, symbol + "_merge", backend="cpu_sim"),
+                                 symbol + "_merge")
+    return lib, merge, math, roles
 
 
 def _device_rows(x: torch.Tensor, dtype: str, ld: int, misalign: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -70,18 +72,28 @@ def _device_rows(x: torch.Tensor, dtype: str, ld: int, misalign: bool) -> tuple[
 
 
 def run(name: str, x: torch.Tensor, dtype: str, index=None, iparams=(), fparams=(), ld=None, misalign=False,
-        threads: int = 256):
-    lib, math, _ = build_sim(name, dtype, threads)
+        threads: int = 256, sms: int | None = None):
+    """The emitted program(s) on rows x; ``sms``: split rows as impl_cuda does on a GPU with that many SMs (None:
+    one segment per row)."""
+    lib, merge, math, _ = build_sim(name, dtype, threads)
     T_, L = x.shape
     ld = ld or L
     buf, seen = _device_rows(x, dtype, ld, misalign)
+    chunk = sr.StreamVariant(dtype, threads=threads).chunk
+    ns, cps = sr.split_plan(T_, L, sms, chunk) if sms else (1, max(1, L // chunk))
     idx = [np.ascontiguousarray(np.asarray(i, dtype=np.int64)) for i in (index or [])]
     outs = [np.full(T_, -777.0, dtype=np.float32) for _ in math.outputs]  # poisoned
+    ws = np.full((len(math.states), T_, ns), np.nan, dtype=np.float32)
     P = ctypes.c_void_p
-    args = [P(buf.ctypes.data)] + [P(i.ctypes.data) for i in idx] + [P(o.ctypes.data) for o in outs]
-    args += [ctypes.c_int32(L)] + [ctypes.c_int64(v) for v in iparams] + [ctypes.c_float(v) for v in fparams]
-    args += [ctypes.c_int32(T_), ctypes.c_int32(ld)]
-    assert lib.call(*args) == 0
+    tail = [ctypes.c_int32(L)]
+    params = [ctypes.c_int64(v) for v in iparams] + [ctypes.c_float(v) for v in fparams]
+    heads = [P(i.ctypes.data) for i in idx] + [P(o.ctypes.data) for o in outs] + [P(ws.ctypes.data)]
+    args = [P(buf.ctypes.data)] + heads + tail + [ctypes.c_int32(cps)] + params
+    assert lib.call(*args, ctypes.c_int32(T_), ctypes.c_int32(ld), ctypes.c_int32(ns)) == 0
+    if ns > 1:
+        assert np.all(outs[0] == -777.0)  # the split kernel leaves the outputs to the merge
+        assert merge.call(*heads, *tail, *params, ctypes.c_int32(T_), ctypes.c_int32(ns)) == 0
+    run.last_split = ns
     return outs, seen
 
 
@@ -177,6 +189,34 @@ def test_cross_entropy_sim_ignore_index_large_and_nonfinite_rows():
     judge(out, ref, ce_reference(seen.float(), target, 0.1, ignore, dtype=torch.float32).numpy())
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("L", [16384, 50001, 131072])
+def test_split_rows_merge_form(dtype, L):
+    """Few long rows: segments of a row in separate CTAs, their states merged by the merge program (the engine's
+    merge form), for logsumexp and cross-entropy (the target in any segment, or in the tail)."""
+    x = logits(3, L, L + 1)
+    x[2, : L // 2] = float("-inf")  # the first segments of a row hold only -inf: neutral states merged
+    (out,), seen = run("logsumexp", x, dtype, sms=132)
+    assert run.last_split > 1
+    judge(out, lse_reference(seen).numpy(), lse_reference(seen.float(), dtype=torch.float32).numpy())
+    target = torch.tensor([5, L - 1, L // 2 + 3])
+    (out,), seen = run("softmax_cross_entropy", x, dtype, index=[target.numpy()], iparams=[-100], fparams=[0.1],
+                       sms=132)
+    assert run.last_split > 1
+    ref = ce_reference(seen, target, 0.1, -100).numpy()
+    judge(out, ref, ce_reference(seen.float(), target, 0.1, -100, dtype=torch.float32).numpy())
+
+
+def test_split_plan():
+    assert sr.split_plan(4096, 128256, 132, 4096) == (1, 31)  # many rows: a CTA per row
+    assert sr.split_plan(16, 128256, 132, 4096) == (11, 3)  # 16 rows of 31 chunks: 11 segments of <= 3 chunks
+    assert sr.split_plan(1, 5000, 132, 4096) == (1, 1)  # fewer than 4 full chunks: no split
+    for rows, length in [(1, 1 << 20), (7, 40000), (100, 262144), (3, 16384)]:
+        ns, cps = sr.split_plan(rows, length, 132, 4096)
+        n_full = length // 4096
+        assert (ns - 1) * cps < n_full <= ns * cps and (ns == 1 or cps >= 2)  # no empty segment
+
+
 def test_sim_with_fewer_threads_same_results():
     """The schedule does not depend on the CTA size: 64 threads (2 warps) give the reference too."""
     x = logits(3, 3000, 2)
@@ -192,9 +232,9 @@ def test_bridge_binds_by_role():
     assert roles["fparams"] == ("label_smoothing",) and len(math.states) == 4 and math.n_index == 1
     # the merge form of the rescaled sum reads the max's segment and merged values
     assert "s0_seg" in math.merge[1] and "s0_safe" in math.merge[1]
-    # one kernel per (family, dtype)
+    # one kernel per (family, dtype), and a merge program per family
     plan = stream_plan(spec, op, ["sm80", "sm90a", "sm100a"])
-    assert len(plan.jobs) == 9 and {j.family for j in plan.jobs} == {"sm80", "sm90a", "sm100a"}
+    assert len(plan.jobs) == 12 and {j.family for j in plan.jobs} == {"sm80", "sm90a", "sm100a"}
 
 
 def _refused(name: str, mutate) -> str:

@@ -42,8 +42,10 @@ DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 OPS = ("max", "min", "sum")
 _ARCH = {"sm80": "sm_80", "sm90a": "sm_90a", "sm100a": "sm_100a"}
 INF = "T.infinity('float32')"
+MERGE_ROWS = 128  # rows per CTA of the merge program
 
-__all__ = ["DTYPES", "FAMILIES", "TEMPLATE_VERSION", "RowMath", "State", "StreamVariant", "emit_stream_row_program"]
+__all__ = ["DTYPES", "FAMILIES", "SPLIT_CPP", "TEMPLATE_VERSION", "RowMath", "State", "StreamVariant",
+           "emit_stream_row_merge", "emit_stream_row_program", "split_plan"]
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,35 @@ class StreamVariant:
     def variant_name(self, op: str) -> str:
         short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[self.dtype]
         return f"{op}__{short}_t{self.threads}__{self.family}"
+
+    def merge_name(self, op: str) -> str:
+        """The merge program of split rows (one per family: it reads float32 states only)."""
+        return f"{op}_merge__rows__{self.family}"
+
+
+def split_plan(rows: int, length: int, sms: int, chunk: int) -> tuple[int, int]:
+    """(n_split, full chunks per segment): a row is split across CTAs only when the rows alone would leave SMs idle
+    (fewer than 2 CTAs per SM) and it has at least 4 full chunks; every segment gets 2 full chunks or more and none
+    is empty. ``SPLIT_CPP`` is the same function for the op's impl_cuda."""
+    n_full = length // chunk
+    ns = 1
+    if rows < 2 * sms and n_full >= 4:
+        ns = min((2 * sms + rows - 1) // rows, n_full // 2)
+    cps = max(1, (n_full + ns - 1) // ns)
+    ns = max(1, (n_full + cps - 1) // cps) if n_full else 1
+    return ns, cps
+
+
+SPLIT_CPP = """\
+// stream_row: segments per row and full chunks per segment (generator/codegen/templates/stream_row.py split_plan)
+static inline void stream_row_split_plan(int64_t rows, int64_t length, int64_t sms, int64_t chunk, int64_t& ns,
+                                         int64_t& cps) {
+  const int64_t n_full = length / chunk;
+  ns = 1;
+  if (rows < 2 * sms && n_full >= 4) ns = std::min((2 * sms + rows - 1) / rows, n_full / 2);
+  cps = std::max<int64_t>(1, (n_full + ns - 1) / ns);
+  ns = n_full ? std::max<int64_t>(1, (n_full + cps - 1) / cps) : 1;
+}"""
 
 
 def check_math(m: RowMath) -> None:
@@ -247,7 +278,9 @@ class _Emitter:
                 self.src(f"{self.t(f's{i}_safe')} = {self.t(f's{i}')}")
 
     def full_chunks(self, vector: bool) -> None:
-        with self.threads(), self.src.block(self.loop("i_ch", "n_full", "serial")):
+        """This segment's full chunks [c_lo, c_hi) (one segment: all of them)."""
+        with self.threads(), self.src.block(self.loop("i_cs", "c_hi - c_lo", "serial")):
+            self.src("i_ch = c_lo + i_cs")
             self.load_chunk("i_ch", vector)
             self.update("i_ch", tail=False)
 
@@ -260,6 +293,10 @@ class _Emitter:
             for k in range(self.m.n_index):
                 self.src(f"{self.t(f'i_r{k}')} = R{k}[i_row]")
         self.src(f"n_full = L // {self.v.chunk}")
+        # segment i_seg of n_split takes chunks [c_lo, c_hi) (cps per segment, from the host) and the last one the
+        # tail; a segment past the row's end keeps the neutral states
+        self.src("c_lo = T.min(i_seg * cps, n_full)")
+        self.src("c_hi = T.min(c_lo + cps, n_full)")
         aligned = "T.reinterpret(T.address_of(X[0, 0]), \"uint64\") % T.uint64(16) == T.uint64(0)"
         # the vector path: `ld % V == 0` is the whole condition of its own `if` (TileLang's vectorizer takes it
         # as a fact only then); the base pointer's alignment is tested inside it
@@ -270,7 +307,7 @@ class _Emitter:
                 self.full_chunks(vector=False)
         with self.src.block("else"):
             self.full_chunks(vector=False)
-        with self.src.block(f"if n_full * {self.v.chunk} < L"), self.threads():
+        with self.src.block(f"if i_seg == n_split - 1 and n_full * {self.v.chunk} < L"), self.threads():
             P = self.v.per_thread
             with self.src.block(self.loop("i_k", P)):
                 self.src(f"i_e = {self.elem_index('n_full', 'i_k')}")
@@ -321,12 +358,33 @@ class _Emitter:
                 other = {f"s{i}": f"sh[{i}, i_w]" for i in range(self.n)}
                 with self.src.block(self.loop("i_w", f"1, {W}", "serial")):
                     self.merge_pair(mine, other)
-            names = {**self.base_names(), **self.state_names()}
-            for k, text in enumerate(self.m.outputs):
-                self.src(f"O{k}[i_row] = {_rename(text, names)}")
+            with self.src.block("if n_split == 1"):
+                self.outputs()
+            with self.src.block("else"):  # a segment of a split row: its states, for the merge program
+                for i in range(self.n):
+                    self.src(f"WS[{i}, i_row, i_seg] = {self.t(f's{i}')}")
+
+    def outputs(self) -> None:
+        names = {**self.base_names(), **self.state_names()}
+        for k, text in enumerate(self.m.outputs):
+            self.src(f"O{k}[i_row] = {_rename(text, names)}")
+
+    def merge_segments(self) -> None:
+        """The merge program's row: the segments' states merged in order, then the outputs."""
+        with self.threads(1):
+            for k in range(self.m.n_index):
+                self.src(f"{self.t(f'i_r{k}')} = R{k}[i_row]")
+            for i in range(self.n):
+                self.src(f"{self.t(f's{i}')} = WS[{i}, i_row, 0]")
+            self.guards()
+            mine = {f"s{i}": self.t(f"s{i}") for i in range(self.n)}
+            other = {f"s{i}": f"WS[{i}, i_row, i_p]" for i in range(self.n)}
+            with self.src.block(self.loop("i_p", "1, n_split", "serial")):
+                self.merge_pair(mine, other)
+            self.outputs()
 
     # ---- the whole program --------------------------------------------------------------------------
-    def emit(self, symbol: str) -> str:
+    def emit(self, symbol: str, merge: bool = False) -> str:
         m, v = self.m, self.v
         self.declare_states("")
         self.declare_states("n_")
@@ -338,15 +396,20 @@ class _Emitter:
         self.decl("i_raw", raw_dt, v.per_thread)
         for k in range(m.n_index):
             self.decl(f"i_r{k}", "int64")
-        self.stream()
-        self.butterfly()
-        self.across_warps()
+        if merge:
+            with self.src.block("if i_row < n_rows"):
+                self.merge_segments()
+        else:
+            self.stream()
+            self.butterfly()
+            self.across_warps()
         body = self.src.lines
 
-        params = [f"X: T.Tensor((n_rows, ld), \"{raw_dt}\")"]
+        params = [] if merge else [f"X: T.Tensor((n_rows, ld), \"{raw_dt}\")"]
         params += [f"R{k}: T.Tensor((n_rows,), \"int64\")" for k in range(m.n_index)]
         params += [f"O{k}: T.Tensor((n_rows,), \"float32\")" for k in range(len(m.outputs))]
-        params += ["L: T.int32"]
+        params += [f"WS: T.Tensor(({self.n}, n_rows, n_split), \"float32\")"]
+        params += ["L: T.int32"] + ([] if merge else ["cps: T.int32"])
         params += [f"ip{k}: T.int64" for k in range(m.n_iparams)]
         params += [f"fp{k}: T.float32" for k in range(m.n_fparams)]
         backend = "cpu_sim" if self.sim else "cuda"
@@ -360,13 +423,14 @@ class _Emitter:
         out(f"BACKEND = {backend!r}")
         out(f"TARGET_ARCH = {(_ARCH[v.family] if not self.sim else 'c')!r}")
         out(f"THREADS = {v.threads if not self.sim else 1}")
-        out(f"PARAM_ORDER = {tuple(p.split(':')[0] for p in params)!r}  # then n_rows, ld, then the stream")
+        dims = "n_rows, n_split" if merge else "n_rows, ld, n_split"
+        out(f"PARAM_ORDER = {tuple(p.split(':')[0] for p in params)!r}  # then {dims}, then the stream")
         out("PASS_CONFIGS = {}")
         out("")
         out("")
         out("def make_prim_func():")
         out.depth = 1
-        out("n_rows, ld = T.dynamic(\"n_rows, ld\")")
+        out(f"{dims} = T.dynamic(\"{dims}\")")
         out("")
         out("@T.prim_func")
         out(f"def {symbol}(")
@@ -374,14 +438,25 @@ class _Emitter:
             out(f"    {p},")
         out("):")
         out.depth = 2
-        out(f"with T.Kernel(n_rows, threads={1 if self.sim else v.threads}) as bx:")
-        out.depth = 3
-        out("i_row = bx")
-        if not self.sim:
-            out("tid = T.get_thread_binding(0)")
-            out(f"sh = T.alloc_shared(({self.n}, {v.warps}), \"float32\")")
-        else:
-            out(f"sh = T.alloc_local(({self.n}, {v.warps}), \"float32\")")
+        if merge:  # a thread per row
+            if self.sim:
+                out("with T.Kernel(n_rows, threads=1) as bx:")
+                out.depth = 3
+                out("i_row = bx")
+            else:
+                out(f"with T.Kernel(T.ceildiv(n_rows, {MERGE_ROWS}), threads={MERGE_ROWS}) as bx:")
+                out.depth = 3
+                out(f"i_row = bx * {MERGE_ROWS} + T.get_thread_binding(0)")
+        else:  # a CTA per (segment, row)
+            out(f"with T.Kernel(n_rows, n_split, threads={1 if self.sim else v.threads}) as (bx, by):")
+            out.depth = 3
+            out("i_row = bx")
+            out("i_seg = by")
+            if not self.sim:
+                out("tid = T.get_thread_binding(0)")
+                out(f"sh = T.alloc_shared(({self.n}, {v.warps}), \"float32\")")
+            else:
+                out(f"sh = T.alloc_local(({self.n}, {v.warps}), \"float32\")")
         for nm in sorted(self.decls):
             dt, n = self.decls[nm]
             if self.sim:
@@ -398,12 +473,23 @@ class _Emitter:
         return "\n".join(out.lines) + "\n"
 
 
+def emit_stream_row_merge(math: RowMath, variant: StreamVariant, symbol: str, backend: str = "cuda") -> str:
+    """The merge program of split rows: a thread per row merges the n_split segments' states (WS) by the engine's
+    merge form, in segment order, and writes the outputs. Arguments: R<k>, O<k>, WS, L, the parameters; the
+    launcher appends n_rows and n_split, then the stream."""
+    if not symbol.isidentifier():
+        raise ValueError(f"symbol {symbol!r} is not an identifier")
+    return _Emitter(math, variant, backend).emit(symbol, merge=True)
+
+
 def emit_stream_row_program(math: RowMath, variant: StreamVariant, symbol: str, backend: str = "cuda") -> str:
     """Python source (a module with ``make_prim_func()``) of one variant.
 
     Kernel arguments in order: the row tensor X (n_rows, ld) (ld: the row stride, in elements), the per-row index
-    tensors R<k> (int64), the outputs O<k> (float32), L (the row length), the int64 and float32 parameters; the
-    launcher appends n_rows and ld, then the stream."""
+    tensors R<k> (int64), the outputs O<k> (float32), the segments' states WS (states, n_rows, n_split), L (the row
+    length), cps (full chunks per segment), the int64 and float32 parameters; the launcher appends n_rows, ld and
+    n_split, then the stream. The grid is (n_rows, n_split): with n_split == 1 each CTA writes its row's outputs
+    (WS is not touched), else the states of its segment into WS for the merge program."""
     if not symbol.isidentifier():
         raise ValueError(f"symbol {symbol!r} is not an identifier")
     return _Emitter(math, variant, backend).emit(symbol)

@@ -170,20 +170,25 @@ def stream_plan(spec: OpSpec, op: OpAnalysis, families: list[str]) -> Plan:
     hdr = (("spec", spec.file), ("template", sr.TEMPLATE_VERSION))
     entries = []
     for fam in families:
+        merge = sr.StreamVariant(cv.dtypes[0], fam).merge_name(spec.name)
+        plan.jobs.append(Job(merge, fam, sr.emit_stream_row_merge(math, sr.StreamVariant(cv.dtypes[0], fam), merge),
+                             hdr))
         for dt in cv.dtypes:
             v = sr.StreamVariant(dt, fam)
             sym = v.variant_name(spec.name)
             plan.jobs.append(Job(sym, fam, sr.emit_stream_row_program(math, v, sym), hdr))
-            entries.append((fam, dt, sym))
+            entries.append((fam, dt, sym, merge, v.chunk))
     plan.entries = entries  # type: ignore[attr-defined]
     plan.math = math  # type: ignore[attr-defined]
     plan.roles = roles  # type: ignore[attr-defined]
+    plan.support = ["", sr.SPLIT_CPP]  # type: ignore[attr-defined]
     return plan
 
 
 def stream_body(spec: OpSpec, plan, lowered: dict[str, dict]) -> list[str]:
     """impl_cuda: rows with unit element stride (else copied), int64 index tensors, launches over row chunks whose
-    int32 offsets fit."""
+    int32 offsets fit; few long rows are split across CTAs (segments' states in a float32 workspace, then the merge
+    program)."""
     r = plan.roles
     x = r["x"]
     fams = ", ".join(f'"{f}"' for f in plan.families)
@@ -219,8 +224,14 @@ def stream_body(spec: OpSpec, plan, lowered: dict[str, dict]) -> list[str]:
         f"  for (int64_t r0 = 0; r0 < {rows}; r0 += rchunk) {{",
         f"  const int64_t n_launch = std::min(rchunk, {rows} - r0);",
         "  bool launched = false;",
+        "  int64_t ns = 1, cps = 0;",
+        "  stream_row_split_plan(n_launch, " + length + ", sms, chunk, ns, cps);",
+        "  // the segments' states (unused when a row is one segment: the outputs stand in for it)",
+        (f"  Tensor ws = ns > 1 ? torch::stable::new_empty(xx, {{{len(plan.math.states)}, n_launch, ns}}, "
+         f"ScalarType::Float) : c.{r['outputs'][0]};"),
     ]
-    args = {"X": "redfuser::batch_ptr(xx, r0)", "L": length, "n_rows": "n_launch", "ld": "ld"}
+    args = {"X": "redfuser::batch_ptr(xx, r0)", "L": length, "n_rows": "n_launch", "ld": "ld",
+            "WS": "ws.mutable_data_ptr()", "n_split": "ns", "cps": "cps"}
     for k, _ in enumerate(r["index"]):
         args[f"R{k}"] = f"redfuser::batch_ptr(idx{k}, r0)"
     for k, o in enumerate(r["outputs"]):
@@ -229,10 +240,18 @@ def stream_body(spec: OpSpec, plan, lowered: dict[str, dict]) -> list[str]:
         args[f"ip{k}"] = f"A.p_{p}"
     for k, p in enumerate(r["fparams"]):
         args[f"fp{k}"] = f"A.p_{p}"
-    for fam, dt, sym in plan.entries:
+    chunks = {chunk for _, _, _, _, chunk in plan.entries}
+    if len(chunks) != 1:
+        raise BridgeError(f"{spec.name}: stream_row variants differ in chunk size {sorted(chunks)}")
+    L.insert(L.index("  bool launched = false;"), f"  const int64_t chunk = {chunks.pop()};")
+    L.insert(L.index("do {"), "const int64_t sms = redfuser::device_sm_count(kOp, ctx.device());")
+    for fam, dt, sym, merge, _ in plan.entries:
         L += [
             f"  if (!launched && fam == \"{fam}\" && dt == {SCALAR_TYPES[dt]}) {{",
             f"    redfuser::launch(kV_{sym}, ctx, [&](void* s) {{ return {launch_call(sym, lowered[sym]['params'], args)}; }});",
+            "    if (ns > 1) {",
+            f"      redfuser::launch(kV_{merge}, ctx, [&](void* s) {{ return {launch_call(merge, lowered[merge]['params'], args)}; }});",
+            "    }",
             "    launched = true;",
             "  }",
         ]
