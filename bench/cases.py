@@ -453,8 +453,11 @@ def rows_case(op: str, T: int, V: int, dtype: torch.dtype, eps: float = 0.1) -> 
 
 def _rows_cases(op: str) -> Callable[[str, str], list[Case]]:
     def cases(device: str, size: str) -> list[Case]:
-        if device != "cpu":  # no CUDA template serves long rows yet (specs/README.md)
-            return []
+        if device == "cuda":  # the stream_row template (a CTA per row): vocabularies of 32k and 128k (Llama 3)
+            shapes = {"full": [(1024, 128256), (4096, 128256), (8192, 32000), (16, 128256)],
+                      "quick": [(1024, 128256), (4096, 32000)], "tiny": [(64, 128256)]}[size]
+            dts = [torch.bfloat16, torch.float32][:1 if size == "tiny" else 2]
+            return [rows_case(op, T, V, dt) for T, V in shapes for dt in dts]
         shapes = {"full": [(64, 32000), (16, 128256), (512, 32000)], "quick": [(64, 32000), (16, 128256)],
                   "tiny": [(4, 1000)]}[size]
         return [rows_case(op, T, V, dt) for T, V in shapes for dt in [torch.float32, torch.bfloat16][:1 if size == "tiny" else 2]]
