@@ -32,6 +32,8 @@ class TLPrinter:
             return self.inf
         if e is sp.S.NegativeInfinity:
             return f"-{self.inf}"
+        if e is sp.nan:
+            return 'T.float32(float("nan"))'  # a quiet NaN constant (the frontend evaluates float("nan"))
         if e.is_Number:
             return f"T.float32({float(e)!r})"
         if isinstance(e, sp.Add):

@@ -2,7 +2,8 @@
 plus the plan (variants to lower) and the body of the op's impl_cuda (the (plan, body) pair of cuda.TEMPLATES).
 
 Bound by role, never by an op's names. The cascade must have one row index and one pass over the streamed axis in
-which every reduction is an unconditional, scalar max/min/sum; every term reads the streamed element only through
+which every reduction is a scalar max/min/sum (a `where=` predicate selects its neutral element for the elements
+that fail it); every term reads the streamed element only through
 one 2-D tensor read at (row, streamed index) (possibly through element lets), the streamed index itself, per-row
 reads of 1-D integer tensors, and scalars. Every output is indexed by the row alone. What the kernel computes comes
 from the engine: the states' terms, their online corrections and guards, the merge form (merge_terms) and the
@@ -16,6 +17,7 @@ from dataclasses import replace
 import sympy as sp
 
 from ...spec import OpSpec
+from ...symbolic.algebra import MONOIDS
 from ...symbolic.forms import Analysis, OpAnalysis
 from ..bridge import BridgeError, Job, Plan, launch_call, merge_terms
 from ..bridge import RolePrinter as _Printer
@@ -46,8 +48,6 @@ def _case_math(spec: OpSpec, a: Analysis) -> tuple[sr.RowMath, dict]:
             raise _fail(where, f"reduction {f.name} ({f.op}) selects elements (top-k/arg): not a row state")
         if f.op not in sr.OPS:
             raise _fail(where, f"reduction {f.name}: op {f.op} not in {sr.OPS}")
-        if f.where not in (sp.true, True):
-            raise _fail(where, f"reduction {f.name} is conditional ({f.where})")
     over = ir.indices[ir.over]
     row = ir.indices[ir.rows[0]]
     row_axis = str(ir.extents[ir.rows[0]])
@@ -62,7 +62,7 @@ def _case_math(spec: OpSpec, a: Analysis) -> tuple[sr.RowMath, dict]:
     # roles of the tensors read by the terms and the outputs
     reads = set()
     for f in a.reductions:
-        reads |= expand(f.term).atoms(sp.Indexed)
+        reads |= expand(f.term).atoms(sp.Indexed) | expand(sp.sympify(f.where)).atoms(sp.Indexed)
     for o in a.outputs:
         reads |= o.value.atoms(sp.Indexed)
     row_reads = sorted({ix for ix in reads if tuple(ix.indices) == (row, over)}, key=str)
@@ -120,6 +120,8 @@ def _case_math(spec: OpSpec, a: Analysis) -> tuple[sr.RowMath, dict]:
     states = []
     for f in a.reductions:
         term = expand(f.term)
+        if f.where not in (sp.true, True):  # where=: an element that fails the predicate contributes the neutral
+            term = sp.Piecewise((term, expand(f.where)), (MONOIDS[f.op].neutral, True))
         bad = term.atoms(sp.Indexed) - {x_read} - set(index_reads)
         if bad:
             raise _fail(where, f"state {f.name} reads {sorted(map(str, bad))}")
