@@ -480,7 +480,7 @@ def _rms_quant_torch(x: Tensor, w: Tensor, eps: float, dtype: torch.dtype = torc
 
 def _rms_quant_check(eps: float) -> Callable[[str, Any, tuple], dict]:
     """On the first rows: q within one e4m3 unit of the e4m3 rounding of the float64 reference, scale within a
-    relative 2e-5 of it (tests/test_per_element_outputs.py judges the same way)."""
+    relative 5e-6 of it (tests/test_per_element_outputs.py judges the same way)."""
 
     def check(impl: str, result: Any, inputs: tuple) -> dict[str, Any]:
         x, w = inputs[0][:64].cpu(), inputs[1].cpu()
@@ -490,7 +490,7 @@ def _rms_quant_check(eps: float) -> Callable[[str, Any, tuple], dict]:
         unit = torch.exp2(torch.floor(torch.log2(torch.maximum(q.abs(), ref_q.abs()).clamp(min=2.0**-6))) - 3)
         q_units = ((q - ref_q).abs() / unit).max().item()
         rel = ((scale - ref_s).abs() / ref_s).max().item()
-        return {"q_max_units": q_units, "scale_rel_err": rel, "ok": bool(q_units <= 1 and rel <= 2e-5)}
+        return {"q_max_units": q_units, "scale_rel_err": rel, "ok": bool(q_units <= 1 and rel <= 5e-6)}
 
     return check
 

@@ -3,7 +3,7 @@ states): rms_norm_fp8_quant (RMS norm + per-token FP8 quantisation) and row_soft
 specs, on the CPU through torch.ops.redfuser. References (float64): tests/spec_references.py.
 
 Judging: q within one e4m3 unit of the e4m3 rounding of the float64 reference's y / scale; scale within float32
-rounding of the float64 scale (relative 2e-5, and ACCEPTANCE's rule against the same math in the inputs' dtype);
+rounding of the float64 scale (relative 5e-6, and ACCEPTANCE's rule against the same math in the inputs' dtype);
 softmax by ACCEPTANCE's rule max|out - ref| <= 2 * max|plain - ref| + 1e-5."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def judge_quant(q, scale, x, w, eps):
     unit = e4m3_unit(torch.maximum(got.abs(), ref_q.abs()))
     assert ((got - ref_q).abs() <= unit).all(), ((got - ref_q).abs() / unit).max().item()
     rel = ((scale.double() - ref_s).abs() / ref_s).max().item()
-    assert rel <= 2e-5, rel
+    assert rel <= 5e-6, rel  # measured <= 7e-7 up to N = 8192 (float32 sums, sqrt and divisions)
     # ACCEPTANCE's rule against the same math in the inputs' dtype (the plain implementation a user would write)
     _, plain_s = rq_reference(x, w, eps, dtype=x.dtype)
     err, plain_err = (scale.double() - ref_s).abs().max().item(), (plain_s.double() - ref_s).abs().max().item()
@@ -178,10 +178,11 @@ def test_torch_compile_fullgraph():
     def block(x, w):
         q, scale = torch.ops.redfuser.rms_norm_fp8_quant(x * 2, w, 1e-5)
         deq = q.float() * scale[:, None]
-        return deq.sum(dim=-1) + torch.ops.redfuser.row_softmax(x).square().sum(dim=-1)
+        return q, deq, torch.ops.redfuser.row_softmax(x + 1).square()
 
-    a = torch.compile(block, fullgraph=True)(x, w)
-    assert torch.allclose(a, block(x, w), rtol=1e-6)
+    got, want = torch.compile(block, fullgraph=True)(x, w), block(x, w)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))  # the same kernel on the same input
+    assert torch.allclose(got[1], want[1], rtol=1e-6) and torch.allclose(got[2], want[2], rtol=1e-6)
 
 
 # --------------------------------------------------------------------------------------------- spec errors
