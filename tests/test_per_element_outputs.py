@@ -220,3 +220,34 @@ def test_transposed_per_element_output_is_accepted(tmp_path):
     text = SPEC.replace("    shape: [T, N]\n", "    shape: [N, T]\n").replace("index: [t, j]", "index: [j, t]")
     rc, out = check(tmp_path, text)
     assert rc == 0 and out.startswith("ok "), out
+
+
+# --------------------------------------------------------------------------------------------- bench cases
+@pytest.mark.parametrize("op", ["rms_norm_fp8_quant", "row_softmax"])
+def test_bench_cases_run_and_judge(op):
+    """The tiny CPU bench cases: the op and torch eager pass their checks, a perturbed result does not; no CUDA
+    cases (no CUDA kernel)."""
+    from bench import cases
+    from bench.run import Runner
+
+    make = cases.OPS[op]
+    assert make("cuda", "quick") == []
+    runner = Runner("cpu", budget_s=60, quick=True, size="tiny", cache_bytes=1 << 20, mem_cap=1 << 26,
+                    log=lambda s: None)
+    case = make("cpu", "tiny")[0]
+    res = {r["impl"]: r for r in runner.run_case(case, {"copy_GBps": 10.0}, {"eager"})}
+    assert set(res) == {"redfuser", "eager"}
+    for r in res.values():
+        assert r["status"] == "ok" and r["correct"]["ok"], r
+    case = make("cpu", "tiny")[0]
+    inputs = case.make_inputs(torch.Generator().manual_seed(0), "cpu")
+    good = case.impls[0].fn(*inputs)
+    assert case.check("redfuser", good, inputs)["ok"]
+    if isinstance(good, tuple):  # q moved by 100 (several e4m3 units) in one place, or the scale off by 1e-5
+        q = good[0].clone()
+        v = q[0, 0].float()
+        q[0, 0] = (v - 100 if v > 0 else v + 100).to(torch.float8_e4m3fn)
+        assert not case.check("bad", (q, good[1]), inputs)["ok"]
+        assert not case.check("bad", (good[0], good[1] * (1 + 1e-5)), inputs)["ok"]
+    else:
+        assert not case.check("bad", good * 1.01 + 1e-4, inputs)["ok"]
