@@ -215,6 +215,15 @@ def test_bad_per_element_specs_give_clear_errors(tmp_path, old, new, message):
     assert rc == 1 and message in out and "Traceback" not in out, out
 
 
+def test_sign_from_a_check_written_either_way(tmp_path):
+    """`0 < eps` inside an `and` gives the proofs eps > 0 as `eps > 0` does; `eps >= 0` does not suffice (at eps = 0
+    an all-zero prefix makes the abs-max's correction 0/0)."""
+    rc, out = check(tmp_path, SPEC.replace('expr: "eps > 0"', 'expr: "N >= 1 and 0 < eps"'))
+    assert rc == 0 and out.startswith("ok "), out
+    rc, out = check(tmp_path, SPEC.replace('expr: "eps > 0"', 'expr: "eps >= 0"'))
+    assert rc == 1 and "reduction 'a' is not fusible" in out and "Traceback" not in out, out
+
+
 def test_transposed_per_element_output_is_accepted(tmp_path):
     """Any order of the output's indices: q indexed [j, t] (shape [N, T])."""
     text = SPEC.replace("    shape: [T, N]\n", "    shape: [N, T]\n").replace("index: [t, j]", "index: [j, t]")
