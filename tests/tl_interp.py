@@ -554,12 +554,12 @@ class Interpreter:
     # ------------------------------------------------------------------------------------------ run
     def run(self, *args, **kwargs) -> dict:
         """Run the program with its parameters in order (numpy arrays for buffers, numbers for scalars) or by
-        name. Buffer shapes and strides bind the dynamic dimensions they name (and are checked against those
+        name (a buffer's name, also where the parameter is a pointer that ``T.make_tensor`` views). Buffer shapes and strides bind the dynamic dimensions they name (and are checked against those
         given as scalars). Float buffers must be float32 arrays (holding values of the buffer's type), int ones
         int32/int64. Returns counters (blocks run, tile ops executed)."""
         t = self.tirx
         f = self.func
-        names = [str(p.name) for p in f.params]
+        names = param_names(f)
         given = dict(zip(names, args))
         for k, v in kwargs.items():
             if k in given:
@@ -570,8 +570,8 @@ class Interpreter:
             raise TypeError(f"{self.name}: missing parameters {missing}")
         s = _State()
         bufs = []
-        for p in f.params:
-            v = given[str(p.name)]
+        for p, pname in zip(f.params, names):
+            v = given[pname]
             if p in f.buffer_map:
                 bufs.append((f.buffer_map[p], v))
             else:
@@ -601,11 +601,17 @@ class Interpreter:
                 strides = tuple(x // arr.itemsize for x in arr.strides)
             s.bufs[buf.data] = GlobalBuf(buf.name, _flat_view(arr), shape, strides, int(self._expr(buf.elem_offset)(s, True)),
                                          str(buf.dtype))
-        self.body(s, True)
+        with np.errstate(all="ignore"):  # IEEE results as the GPU gives them (lanes a select drops compute too)
+            self.body(s, True)
         return s.stats
 
 
 _THREAD = object()
+
+
+def param_names(func) -> list[str]:
+    """The names :meth:`Interpreter.run` takes: a buffer parameter by its buffer's name, a scalar by its own."""
+    return [str(func.buffer_map[p].name) if p in func.buffer_map else str(p.name) for p in func.params]
 
 
 def _inner_grid(body, t) -> bool:
