@@ -49,7 +49,7 @@ def judge(q, k, v, window, softcap, scale=None):
     (113, 203, 64),     # window inside one 64-key chunk or across two
     (128, 217, 100),
     (256, 128, 4096),   # window wider than the keys: plain causal; rows past Sk see nothing (out 0, lse -inf)
-    (300, 333, 150),    # window over 3-4 chunks: leading chunks skipped, both bounds inside chunks, key tail
+    (200, 213, 150),    # window over 3-4 chunks: leading chunks skipped, both bounds inside chunks, key tail
     pytest.param(1023, 1024, 333, marks=pytest.mark.slow),  # the same paths at 10x the cost: `pytest -m slow`
 ])
 @pytest.mark.parametrize("D", [64, 128])
