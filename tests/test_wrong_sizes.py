@@ -2,9 +2,9 @@
 each call must be refused with an error (and a correctly sized call, the baseline, must run).
 
 The dimensions come from the spec: every dim of every tensor argument (optional ones passed) is made one larger,
-except the dims whose size is free -- an axis named by that one dim only, in no check and no other tensor -- where any size is valid. Only the valid baseline call of each op is written here (small shapes
-that pass the spec's checks); a spec without one fails the coverage test, so that a new op gets its wrong-size
-tests too.
+except the dims whose size is free -- an axis named by that one dim only, where one more still passes every
+check of the spec -- and those are checked to accept one more. Only the valid baseline call of each op is written here
+(small shapes that pass the spec's checks); a spec without one fails, so that a new op gets its wrong-size tests.
 """
 
 from __future__ import annotations
@@ -49,28 +49,43 @@ def _valid(op: str) -> dict:
     raise KeyError(op)
 
 
-def _free_dims(spec) -> set[tuple[str, int]]:
-    """(tensor, dim) pairs whose size is free: the only use of an axis that no check reads."""
+def _sizes(op: str, args: dict) -> dict:
+    """The axis sizes and scalar values of a call (the names the spec's checks read)."""
+    env = {a.name: args[a.name] for a in SPECS[op].scalars}
+    for t in SPECS[op].tensors:
+        for d, dim in enumerate(t.shape):
+            if not dim.isdigit():
+                env.setdefault(dim, args[t.name].shape[d])
+    return env
+
+
+def _checks_hold(op: str, env: dict) -> bool:
+    return all(eval(c.expr, {"__builtins__": {}}, dict(env)) for c in SPECS[op].checks)
+
+
+def _free_dims(op: str) -> set[tuple[str, int]]:
+    """(tensor, dim) pairs whose size is free: the only use of an axis, where one more still passes every check of
+    the spec (a kv_cache's number of pages, a block table's width, the number of queries or tokens)."""
+    spec = SPECS[op]
     uses: dict[str, list[tuple[str, int]]] = {}
     for t in spec.tensors:
         for d, dim in enumerate(t.shape):
             uses.setdefault(dim, []).append((t.name, d))
-    texts = [c.expr for c in spec.checks]  # a value domain (block_table in [0, NB)) fixes no size
+    env = _sizes(op, _valid(op))
     out = set()
     for dim, where in uses.items():
-        read = any(re.search(rf"\b{re.escape(dim)}\b", x) for x in texts)
-        if len(where) == 1 and not dim.isdigit() and not read:
+        if len(where) == 1 and not dim.isdigit() and _checks_hold(op, {**env, dim: env[dim] + 1}):
             out.add(where[0])
     return out
 
 
-def _cases() -> list[tuple[str, str, int]]:
+def _cases(free: bool = False) -> list[tuple[str, str, int]]:
     out = []
     for name, spec in sorted(SPECS.items()):
-        free = _free_dims(spec)
+        fd = _free_dims(name)
         for t in spec.tensors:
             for d in range(len(t.shape)):
-                if (t.name, d) not in free:
+                if ((t.name, d) in fd) == free:
                     out.append((name, t.name, d))
     return out
 
@@ -92,11 +107,24 @@ def test_every_spec_has_a_valid_call_and_runs_it():
         assert all(torch.isfinite(o.double()).all() for o in outs if o.is_floating_point()), op
 
 
-def test_cases_cover_every_tensor_argument():
+def test_cases_cover_every_op_and_the_index_tensors():
     covered = {(op, t) for op, t, _ in _cases()}
+    # every op with a size two arguments share has cases (logsumexp's one tensor takes any size)
+    assert {op for op, _ in covered} == {op for op, s in SPECS.items() if len(s.tensors) > 1}
     for op, spec in SPECS.items():
         for t in spec.tensors:
-            assert (op, t.name) in covered, f"{op}.{t.name}: no dim of it has a wrong-size case"
+            if t.values:  # index tensors (block_table, cache_seqlens, targets) are sized by the other arguments
+                assert (op, t.name) in covered, f"{op}.{t.name}: no dim of it has a wrong-size case"
+
+
+@pytest.mark.parametrize("op, tensor, dim", _cases(free=True), ids=lambda x: str(x))
+def test_a_free_dim_takes_any_size(op, tensor, dim):
+    """The rule that exempts a dim holds: one more along it is a valid call."""
+    args = _valid(op)
+    args[tensor] = _grow(args[tensor], dim)
+    out = _call(op, args)
+    outs = out if isinstance(out, (tuple, list)) else [out]
+    assert all(torch.isfinite(o.double()).all() for o in outs if o.is_floating_point()), op
 
 
 @pytest.mark.parametrize("op, tensor, dim", _cases(), ids=lambda x: str(x))

@@ -239,4 +239,25 @@ MUTANTS: list[Mutant] = [
       'T.if_then_else(T.isnan({kf}), T.uint32(2139095040), T.reinterpret({kf}, \\"uint32\\"))',
       "the CUDA top-k orders a NaN key as +inf (selected first) instead of -inf",
       ("tests/test_resident_row_template.py",), ),
+    M("paged-attention-v-rows-past-length-kept", "generator/codegen/templates/paged_attention.py",
+      'f"        if kt * {BN} + r >= kv_len:\\n"', 'f"        if kt * {BN} + r > kv_len:\\n"',
+      "the paged kernel zeroes V rows past the sequence end from one row too late: the first garbage row of the last "
+      "page (NaN in a recycled page) meets P = 0 and makes the output NaN (caught by running the emitted program)",
+      ("tests/test_paged_attention.py",), ),
+    M("stream-bridge-window-lower-bound", "generator/codegen/templates/stream_attention_bridge.py",
+      "        else:\n            lo.append(bound + 1)\n", "        else:\n            lo.append(bound)\n",
+      "a strict lower bound on the key (j > i - window) is read as j >= i - window: a sliding window sees one key "
+      "too many",
+      ("tests/test_cuda_bridges.py", "tests/test_stream_attention_template.py"), ),
+    M("quant-bridge-accumulator-not-rescaled", "generator/codegen/templates/quant_gemm_bridge.py",
+      '    acc_corr = tl(acc.correction) if acc.kind == "*" else "T.float32(1)"\n',
+      '    acc_corr = "T.float32(1)"\n',
+      "the GEMM accumulator is not rescaled when the running abs-max grows: chunks quantised with an old scale are "
+      "summed as if with the new one",
+      ("tests/test_quant_gemm_template.py",), ),
+    M("resident-bridge-group-score-is-max", "generator/codegen/templates/resident_row_bridge.py",
+      "            if k == 1:\n", "            if k <= 2:\n",
+      "a group is scored by its best expert instead of the sum of its top two (DeepSeek-V3's grouped routing with "
+      "a correction bias)",
+      ("tests/test_resident_row_template.py", "tests/test_cuda_bridges.py"), ),
 ]
