@@ -45,6 +45,11 @@ class Mutant:
 
 M = Mutant
 SOUND = "tests/test_engine_soundness.py"
+# the value tests of the row ops and attention, without opcheck/torch.compile (slow, and they check no values)
+# (one -k expression for all: pytest keeps the last -k it is given)
+NOSLOW = ("-k", "not opcheck and not compile")
+ROWS = ("tests/test_row_ops.py", *NOSLOW)
+ATTN = ("tests/test_fused_attention.py", *NOSLOW)
 
 MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------------------------------------ engine
@@ -111,37 +116,37 @@ MUTANTS: list[Mutant] = [
       'self.block(f"for (int64_t c0 = 0; c0 + {CHUNK} <= ex_{self.ir.over}; c0 += {CHUNK})")',
       "the chunk loop of the row kernels stops at the last full chunk: a row whose length is not a multiple of the "
       "chunk loses its tail",
-      ("tests/test_row_ops.py",), ),
+      ROWS, ),
     M("cpu-lane-remainder-dropped", "generator/codegen/cpu.py",
       'self.block("for (int64_t jj = jl; jj < cn; ++jj)")', 'self.block("for (int64_t jj = cn; jj < cn; ++jj)")',
       "the vectorised reduction forgets the scalar remainder after its LANES-wide loop",
-      ("tests/test_row_ops.py",), ),
+      ROWS, ),
     M("cpu-online-rescale-dropped", "generator/codegen/cpu.py",
       '                self.emit(f"st_{f.name} = st_{f.name} {op} {cname};")',
       '                self.emit(f"(void){cname};")',
       "the online correction of a scalar state is computed but not applied (a softmax denominator not rescaled "
       "when the running max moves between chunks)",
-      ("tests/test_row_ops.py",), ),
+      ROWS, ),
     M("cpu-state-init-zero", "generator/codegen/cpu.py",
       '            self.emit(f"float st_{f.name} = {neutral};")', '            self.emit(f"float st_{f.name} = 0.0f;")',
       "a row state starts at 0 instead of its neutral element: a running max of an all-negative row stays 0",
-      ("tests/test_row_ops.py",), ),
+      ROWS, ),
     M("cpu-guard-test-inverted", "generator/codegen/cpu.py",
       'expr = f"({src} == {float_literal(float(point))} ? {float_literal(float(safe))} : {expr})"',
       'expr = f"({src} != {float_literal(float(point))} ? {float_literal(float(safe))} : {expr})"',
       "a guard replaces the state everywhere except at its degenerate point",
-      ("tests/test_row_ops.py",), ),
+      ROWS, ),
     M("tiles-fold-weights-unmasked", "generator/codegen/cpu_tiles.py",
       'k.emit(f"{g.wbuf}[jj] = el_cnt[jj] ? v : 0.0f;")', 'k.emit(f"{g.wbuf}[jj] = v;")',
       "the GEMM-tile fold weights masked elements too (a masked key's weight, or garbage past the length, reaches "
       "the output)",
-      ("tests/test_fused_attention.py", "tests/test_sliding_window_attention.py", "tests/test_mla_decode.py"), ),
+      (*ATTN, "tests/test_sliding_window_attention.py", "tests/test_mla_decode.py"), ),
     M("tiles-runs-compare-one-key", "generator/codegen/cpu_tiles.py",
       'k.emit(f"while (r1 < nrow && std::equal(rkey + r1 * {nk}, rkey + (r1 + 1) * {nk}, rkey + r0 * {nk})) ++r1;")',
       'k.emit(f"while (r1 < nrow && std::equal(rkey + r1 * {nk}, rkey + r1 * {nk} + 1, rkey + r0 * {nk})) ++r1;")',
       "rows of a block share a packed tile after comparing only the first of their stream keys: rows of different "
       "heads/batches are fed another row's keys",
-      ("tests/test_fused_attention.py", "tests/test_mla_decode.py"), ),
+      (*ATTN, "tests/test_mla_decode.py"), ),
     # ------------------------------------------------------------------------------------------------ glue, runtime
     M("glue-size-checks-skipped-for-values", "generator/codegen/glue.py",
       "            if not checks:\n                continue\n            if t.optional:\n                L.append(f\"  if (A.has_{t.name}) {{\")\n                L += [\"    \" + x for x in checks]",
@@ -158,7 +163,7 @@ MUTANTS: list[Mutant] = [
     M("glue-strided-float-input-not-copied", "generator/codegen/glue.py",
       '({ref}.size({last}) > 1 && c.A.st_{name}[{last}] != 1)', "false",
       "a float32 input whose last dimension is strided is passed to the kernels, which assume a unit stride",
-      ("tests/test_fused_attention.py", "tests/test_row_ops.py", "tests/test_moe_route.py"), ),
+      (*ATTN, "tests/test_row_ops.py", "tests/test_moe_route.py"), ),
     M("runtime-bf16-store-truncates", "ops_src/runtime.h",
       "  const uint32_t rounded = u + 0x7FFFu + ((u >> 16) & 1u);  // ties to even; overflow -> inf\n",
       "  const uint32_t rounded = u;\n",
@@ -186,12 +191,12 @@ MUTANTS: list[Mutant] = [
       "inline float max(float a, float b) { return (a > b || a != a) ? a : b; }",
       "inline float max(float a, float b) { return a > b ? a : b; }",
       "the CPU max does not propagate NaN from its first operand (torch.max and the engine do)",
-      ("tests/test_row_ops.py", "tests/test_fused_attention.py", "tests/test_fuzz.py"), ),
+      (*ROWS, *ATTN), ),
     M("cpu-math-exp-ln2-split-sign", "ops_src/cpu_math.h",
       "  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 split: hi + lo parts\n",
       "  const float r = (xc - n * 0.693359375f) - n * 2.12194440e-4f;\n",
       "the low part of ln 2 in exp's range reduction has the wrong sign (relative error ~4e-4 per unit of n)",
-      ("tests/test_row_ops.py", "tests/test_fused_attention.py"), ),
+      (*ROWS, *ATTN), ),
     M("cpu-math-e4m3-subnormal-scale", "ops_src/cpu_math.h",
       "    return (sign ? -1.0f : 1.0f) * std::ldexp(static_cast<float>(man), -9);  // subnormal: man * 2^-9\n",
       "    return (sign ? -1.0f : 1.0f) * std::ldexp(static_cast<float>(man), -10);\n",
@@ -213,7 +218,7 @@ MUTANTS: list[Mutant] = [
       'CAUSAL = KeyBand("causal", hi="r + 1 + seqlen_k - seqlen_q")',
       'CAUSAL = KeyBand("causal", hi="r + seqlen_k - seqlen_q")',
       "the bottom-right causal bound excludes the diagonal key (query r cannot see key r + Sk - Sq)",
-      ("tests/test_stream_attention_template.py",), cheap=True),
+      ("tests/test_stream_attention_template.py",), ),
     M("merge-terms-without-correction", "generator/codegen/bridge.py",
       '        e = seg * f.correction if f.kind == "*" else seg + f.correction\n',
       '        e = seg if f.kind == "*" else seg + f.correction\n',
