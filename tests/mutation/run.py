@@ -30,6 +30,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,9 +140,10 @@ def run_tests(m: Mutant, src: Path, work: Path, log: Path, timeout: float, site:
     return "error", f"pytest exit {proc.returncode} ({hit.group(0) if hit else 'no failed test'}; log {log})"
 
 
-def run_one(m: Mutant, work: Path, files: dict, timeout: float, kernel_flags: str = FAST_KERNEL_FLAGS) -> Result:
+def run_one(m: Mutant, work: Path, files: dict, timeout: float, kernel_flags: str = FAST_KERNEL_FLAGS,
+            src_name: str = "src") -> Result:
     t0 = time.monotonic()
-    src = work / "src"
+    src = work / src_name
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     sync_tree(src, files)
@@ -181,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900, help="seconds per mutant's test run (a hang is a kill)")
     ap.add_argument("--kernel-flags", default=FAST_KERNEL_FLAGS,
                     help="REDFUSER_CPU_KERNEL_FLAGS of mutant builds ('release': the project's default, -O3)")
+    ap.add_argument("--lanes", type=int, choices=(1, 2), default=2,
+                    help="2: Python-only and rebuilding mutants side by side (default); 1: one after another")
     ap.add_argument("--check", action="store_true", help="only check that every patch applies exactly once")
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args(argv)
@@ -218,14 +222,32 @@ def main(argv: list[str] | None = None) -> int:
               "library (pip install --no-build-isolation -C cmake.define.REDFUSER_ARCHS= . first)")
         return 2
     work = Path(args.workdir)
-    (work / "src").mkdir(parents=True, exist_ok=True)
     files = tree_files()
+    flags = "" if args.kernel_flags == "release" else args.kernel_flags
     t0 = time.monotonic()
-    results = []
-    for i, m in enumerate(chosen, 1):
-        r = run_one(m, work, files, args.timeout, "" if args.kernel_flags == "release" else args.kernel_flags)
-        results.append(r)
-        print(f"[{i}/{len(chosen)}] {m.name}: {r.status} {r.detail} ({r.seconds:.0f} s)", flush=True)
+    results: list[Result] = []
+    lock = threading.Lock()
+
+    def lane(mutants: list[Mutant], src_name: str) -> None:
+        """Mutants one after another in one copy of the tree (the rebuilding ones share its build directory)."""
+        (work / src_name).mkdir(parents=True, exist_ok=True)
+        for m in mutants:
+            r = run_one(m, work, files, args.timeout, flags, src_name)
+            with lock:
+                results.append(r)
+                print(f"[{len(results)}/{len(chosen)}] {m.name}: {r.status} {r.detail} ({r.seconds:.0f} s)", flush=True)
+
+    # two lanes side by side: the Python-only mutants in one copy, the rebuilding ones in another (a build is mostly
+    # the compiler waiting on one core; the other lane's tests use the rest)
+    lanes = [([m for m in chosen if not m.needs_build], "src-py"), ([m for m in chosen if m.needs_build], "src")]
+    if args.lanes == 1:
+        lanes = [(chosen, "src")]
+    threads = [threading.Thread(target=lane, args=ln) for ln in lanes if ln[0]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    results.sort(key=lambda r: chosen.index(r.mutant))
     print()
     print(table(results))
     killed = sum(r.status == "killed" for r in results)
