@@ -226,3 +226,12 @@ def test_a_sum_of_a_constant_term_that_overflows():
     text = text.replace('    r2: "min(r1 * r0)"\n', '    r2: "min(r1 * r0)"\n  passes: 2\n')
     verdict = rejected_or_right(text, [problem([-1000.0, 1.0]), problem([-np.inf, 1.0]), problem([3.0, -2.0])])
     assert verdict.startswith("rejected: invertible"), verdict
+
+
+def test_a_body_that_folds_to_complex_infinity_is_rejected_not_a_crash():
+    """Found by the property test at 2,000 examples (ENGINE_SEED=1717): log(abs(log(abs(1)))) folds to sympy's zoo,
+    which the numeric probes cannot print; the engine raised KeyError instead of refusing with a reason."""
+    text = cascade({"r0": "sum(log(abs(log(abs(1)))), where=x[t, e] > 0)", "r1": "sum((r0) * (r0))"},
+                   {"r0": "r0", "r1": "r1"})
+    verdict = rejected_or_right(text, [problem([1.0, -1.0, 2.0]), problem([0.0, 3.0])])
+    assert verdict.startswith("rejected: "), verdict

@@ -387,8 +387,9 @@ class _Analyzer:
         """Classify; where sympy cannot decide a question (it raises), refuse rather than guess."""
         try:
             return self._classify(r, online)
-        except (ValueError, TypeError, ZeroDivisionError, NotImplementedError, RecursionError, AttributeError) as exc:
-            return Refusal("analysis", f"sympy could not decide a condition for body {r.body}: {exc}")
+        except (ValueError, TypeError, ZeroDivisionError, NotImplementedError, RecursionError, AttributeError,
+                KeyError) as exc:  # KeyError: a printer without the constant (log(0) folds to zoo, complex infinity)
+            return Refusal("analysis", f"sympy could not decide a condition for body {r.body}: {exc!r}")
 
     def _classify(self, r: Reduction, online: list[str]) -> ReductionForm | Refusal:
         conditions: list[Condition] = []
