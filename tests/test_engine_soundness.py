@@ -247,3 +247,12 @@ def test_a_mask_value_must_be_neutral_in_floating_point_too():
     verdict = rejected_or_right(text, [problem([float("-inf"), 710.0, -1e-300, 1000.0]),
                                        problem([float("-inf"), float("-inf"), 1.0, -0.5])])
     assert verdict == "right" or verdict.startswith("rejected: "), verdict
+
+
+def test_max_times_a_state_that_changes_sign_is_not_distributive():
+    """max(x * r0) with r0 a signed running sum: a correction by a negative factor turns the old maximum into the
+    minimum, so max does not distribute over it; rejected (or, were it accepted, checked on rows where r0 flips)."""
+    text = cascade({"r0": "sum(v[t, e])", "r1": "max(x[t, e] * r0)"}, {"r1": "r1"})
+    rows = [problem([3.0, 1.0, 2.0], [1.0, 0.0, -2.0]), problem([-1.0, 4.0, 0.5, 2.0], [-1.0, 3.0, -4.0, 0.5])]
+    verdict = rejected_or_right(text, rows)
+    assert verdict.startswith("rejected: distributive"), verdict

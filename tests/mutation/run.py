@@ -149,8 +149,10 @@ def run_tests(m: Mutant, src: Path, work: Path, log: Path, timeout: float, site:
     if proc.returncode == 0:
         return "survived", ""
     hit = FAILED.search(proc.stdout)
-    if proc.returncode == 1 and hit and hit.group(0).startswith("FAILED"):
-        return "killed", hit.group(1)
+    # a failed test, or an error in a test's setup (a fixture running the generator's numeric self-check); not a
+    # collection error (a file that no longer imports: pytest exits 2 then)
+    if proc.returncode == 1 and hit and (hit.group(0).startswith("FAILED") or "::" in hit.group(1)):
+        return "killed", hit.group(1) + ("" if hit.group(0).startswith("FAILED") else " (error in its setup)")
     return "error", f"pytest exit {proc.returncode} ({hit.group(0) if hit else 'no failed test'}; log {log})"
 
 
