@@ -145,10 +145,10 @@ MUTANTS: list[Mutant] = [
       "the quantised values saturate at 240 (the max of e4m3fnuz, AMD's variant) instead of e4m3fn's 448: the "
       "largest elements of every row are clipped",
       ("tests/test_quant_gemm_template.py", "-k", QG_VALUES), ),
-    M("resident-row-max-neutral-zero", "generator/codegen/templates/resident_row.py",
-      '        return {"max": _NEG_INF, "min": _POS_INF, "sum": "T.float32(0.0)"}[op]',
-      '        return {"max": "T.float32(0.0)", "min": _POS_INF, "sum": "T.float32(0.0)"}[op]',
-      "the resident-row kernel starts a max reduction at 0 instead of -inf (all-negative rows)",
+    M("resident-row-sum-keeps-last-value", "generator/codegen/templates/resident_row.py",
+      '        return f"({acc} + {val})"', '        return f"{val}"',
+      "the resident-row kernel's sum reduction assigns instead of accumulating (acc = v for acc += v): the softmax "
+      "denominator and the renormalisation sums hold one lane's value",
       ("tests/test_resident_row_template.py", "-k", RR_VALUES), ),
     M("resident-row-nan-orders-as-inf", "generator/codegen/templates/resident_row.py",
       'T.if_then_else(T.isnan({kf}), T.uint32(4286578688), T.reinterpret({kf}, \\"uint32\\"))',
