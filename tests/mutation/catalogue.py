@@ -202,7 +202,7 @@ MUTANTS: list[Mutant] = [
     M("cpu-math-nan-keys-first", "ops_src/cpu_math.h",
       "  if (na != nb) return nb;  // a non-NaN key beats a NaN key\n", "  if (na != nb) return na;\n",
       "issue 17 (d): NaN keys rank before every other key in the CPU selections (top-k routing picks NaN experts)",
-      ("tests/test_moe_route.py", "-k", "nan"), ),
+      ("tests/test_dtype_exact.py", "-k", "nan_rows"), ),
     M("runtime-bf16-store-truncates", "ops_src/runtime.h",
       "  const uint32_t rounded = u + 0x7FFFu + ((u >> 16) & 1u);  // ties to even; overflow -> inf\n",
       "  const uint32_t rounded = u;\n",

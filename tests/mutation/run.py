@@ -148,6 +148,9 @@ def run_tests(m: Mutant, src: Path, work: Path, log: Path, timeout: float, site:
     log.write_text(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
     if proc.returncode == 0:
         return "survived", ""
+    if proc.returncode < 0:  # the test process died (a read out of bounds): the bug shows, though not as a value
+        running = re.findall(r"^\S*(tests/\S+\.py)\S* \.*", proc.stdout, re.MULTILINE)
+        return "killed", f"crash (signal {-proc.returncode}){' in ' + running[-1] if running else ''}"
     hit = FAILED.search(proc.stdout)
     # a failed test, or an error in a test's setup (a fixture running the generator's numeric self-check); not a
     # collection error (a file that no longer imports: pytest exits 2 then)
