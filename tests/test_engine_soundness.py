@@ -226,3 +226,33 @@ def test_a_sum_of_a_constant_term_that_overflows():
     text = text.replace('    r2: "min(r1 * r0)"\n', '    r2: "min(r1 * r0)"\n  passes: 2\n')
     verdict = rejected_or_right(text, [problem([-1000.0, 1.0]), problem([-np.inf, 1.0]), problem([3.0, -2.0])])
     assert verdict.startswith("rejected: invertible"), verdict
+
+
+def test_a_body_that_folds_to_complex_infinity_is_rejected_not_a_crash():
+    """Found by the property test at 2,000 examples (ENGINE_SEED=1717): log(abs(log(abs(1)))) folds to sympy's zoo,
+    which the numeric probes cannot print; the engine raised KeyError instead of refusing with a reason."""
+    text = cascade({"r0": "sum(log(abs(log(abs(1)))), where=x[t, e] > 0)", "r1": "sum((r0) * (r0))"},
+                   {"r0": "r0", "r1": "r1"})
+    verdict = rejected_or_right(text, [problem([1.0, -1.0, 2.0]), problem([0.0, 3.0])])
+    assert verdict.startswith("rejected: "), verdict
+
+
+def test_a_mask_value_must_be_neutral_in_floating_point_too():
+    """Found by the property test at 2,000 examples (ENGINE_SEED=1717): to sympy -oo + sin(-oo) is -oo (sin is
+    bounded), so x = -inf looked like a mask value of r1; in floats sin(-inf) is nan, the plain max is nan on every
+    row with a -inf, and the online form that skipped those elements was finite and ranked r2 differently."""
+    text = cascade({"r1": "max((x[t, e]) + (sin(x[t, e])))", "r2": "topk((x[t, e]) + (exp(r1)), 2)"},
+                   {"r1_o": "r1"})
+    assert not analyze(parse_spec(text, "c.yaml")).cases[0].mask_value  # x = -inf is not neutral for r1 in floats
+    verdict = rejected_or_right(text, [problem([float("-inf"), 710.0, -1e-300, 1000.0]),
+                                       problem([float("-inf"), float("-inf"), 1.0, -0.5])])
+    assert verdict == "right" or verdict.startswith("rejected: "), verdict
+
+
+def test_max_times_a_state_that_changes_sign_is_not_distributive():
+    """max(x * r0) with r0 a signed running sum: a correction by a negative factor turns the old maximum into the
+    minimum, so max does not distribute over it; rejected (or, were it accepted, checked on rows where r0 flips)."""
+    text = cascade({"r0": "sum(v[t, e])", "r1": "max(x[t, e] * r0)"}, {"r1": "r1"})
+    rows = [problem([3.0, 1.0, 2.0], [1.0, 0.0, -2.0]), problem([-1.0, 4.0, 0.5, 2.0], [-1.0, 3.0, -4.0, 0.5])]
+    verdict = rejected_or_right(text, rows)
+    assert verdict.startswith("rejected: distributive"), verdict

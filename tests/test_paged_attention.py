@@ -233,3 +233,15 @@ def test_shared_memory_fits_each_family(kernel):
     for fam in ("sm90a", "sm100a"):
         assert pa.shared_bytes(pa.default_config(fam, "bfloat16", DV), roles) <= 227 * 1024
     assert pa.shared_bytes(pa.default_config("sm80", "bfloat16", DV), roles) <= 99 * 1024
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_mask_written_with_le_gives_the_same_values(causal):
+    """The bridge reads `j <= limit - 1` as `j < limit`: the spec's mask rewritten that way gives the same results."""
+    text = SPEC.read_text()
+    le = text.replace('mask: "j < cache_seqlens[b] - (Sq - 1 - t) if causal else j < cache_seqlens[b]"',
+                      'mask: "j <= cache_seqlens[b] - (Sq - 1 - t) - 1 if causal else j <= cache_seqlens[b] - 1"')
+    assert le != text
+    kernel = pb.kernel_math(derive(parse_spec(le, "mla_decode_le.yaml")))[:2]
+    q, kv, bt, ln = _case(np.random.default_rng(5), [1, 63, 65, 130], 3, 4)
+    _check(kernel, causal, q, kv, bt, ln, splits=2)

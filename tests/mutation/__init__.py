@@ -1,0 +1,1 @@
+"""Mutation testing of redfuser-ops: see tests/mutation/run.py."""

@@ -1,0 +1,253 @@
+"""The mutation catalogue: small semantic bugs planted one at a time in a clean copy of the tree.
+
+Each mutant is an exact search/replace pair (the search text must occur exactly once in its file), a line saying
+what real bug it stands for, and the test selection (pytest arguments, run from the copy's root) that must fail
+on it. A selection names tests that check values (outputs against a reference, the oracle, a simulation or the
+emitted program run on the CPU), never generated text. Mutants of the C++ runtime, the CPU emitter and the glue
+need the CPU-only library rebuilt (``needs_build``); mutants of the engine, the CUDA templates and bridges are
+caught by tests that import ``generator`` from the source tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# files whose change reaches the CPU-only library (the generated C++ kernels and glue, the runtime)
+BUILD_INPUTS = ("ops_src/", "generator/codegen/cpu.py", "generator/codegen/cpu_tiles.py", "generator/codegen/cpp.py",
+                "generator/codegen/glue.py", "generator/codegen/pyapi.py", "generator/codegen/emit.py")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    search: str
+    replace: str
+    bug: str
+    tests: tuple[str, ...]
+    cheap: bool = False  # no build and a selection of a few seconds: eligible for the CI sample
+    env: dict = field(default_factory=dict)
+
+    @property
+    def needs_build(self) -> bool:
+        return self.path.startswith(BUILD_INPUTS)
+
+    @property
+    def area(self) -> str:
+        if self.path.startswith("generator/symbolic/"):
+            return "engine"
+        if self.path.startswith("generator/codegen/templates/") or self.path == "generator/codegen/bridge.py":
+            return "cuda"
+        if self.path.startswith("ops_src/") or self.path == "generator/codegen/glue.py":
+            return "runtime"
+        return "emitter"
+
+
+M = Mutant
+SOUND = "tests/test_engine_soundness.py"
+# the value tests of the row ops and attention, without opcheck/torch.compile (slow, and they check no values)
+# (one -k expression for all: pytest keeps the last -k it is given)
+NOSLOW = ("-k", "not opcheck and not compile")
+ROWS = ("tests/test_row_ops.py", *NOSLOW)
+ATTN = ("tests/test_fused_attention.py", *NOSLOW)
+# the CUDA side's value tests: a template's schedule (its simulation, or its emitted program run on the CPU) against
+# the reference; not the tests that read the emitted text, lower it or check the plans
+SA_VALUES = "schedule_matches_reference or see_no_key or very_negative or guarding_the_old or low_precision"
+PA_VALUES = "through_the_paged_schedule or slices or first_key or clamped or with_le"
+QG_VALUES = "acceptance or saturate or exact"
+BR_VALUES = "through_the_template_schedule"
+RR_VALUES = "cpu_sim"
+# the engine's value tests in test_engine.py (forms against the oracle on adversarial rows), not explain/errors
+EN_VALUES = tuple(f"tests/test_engine.py::test_{n}" for n in (
+    "online_and_merge_forms_match_the_unfused_cascade", "attention_fully_masked_rows_give_zero_and_minus_inf",
+    "mla_empty_sequence_gives_zero_and_minus_inf", "logsumexp_and_softmax_of_minus_inf_rows",
+    "very_negative_rows_do_not_overflow_the_correction", "all_zero_rows_quantize_to_exact_zero"))
+
+MUTANTS: list[Mutant] = [
+    # ------------------------------------------------------------------------------------------------ engine
+    M("forms-guard-never-refuses", "generator/symbolic/forms.py",
+      "        ir = self.ir\n        dep = ir.reduction(d)\n        point = gp.point\n",
+      "        return None\n        ir = self.ir\n        dep = ir.reduction(d)\n        point = gp.point\n",
+      "issue 17 (a): the guard-soundness proof accepts every guard, also where a non-empty prefix reaches the "
+      "degenerate point and its elements contribute (the guard then drops them)",
+      (SOUND,), cheap=True),
+    M("algebra-absmax-no-zero-candidate", "generator/symbolic/algebra.py",
+      "    out.append(sp.Integer(0))  # e.g. the abs-max of an all-zero row\n", "",
+      "issue 17 (b): 0 is not a degenerate candidate, so an abs-max state's correction x/a is not guarded at a = 0 "
+      "(an all-zero prefix gives 0/0)",
+      (SOUND,), cheap=True),
+    M("algebra-no-infinite-candidates", "generator/symbolic/algebra.py",
+      "    for inf in (sp.S.NegativeInfinity, sp.oo):\n", "    for inf in ():\n",
+      "the infinities are not degenerate candidates: a sum of exponentials that overflows to inf (or a max at -inf) "
+      "gets no guard and its correction is inf/inf",
+      (SOUND,), cheap=True),
+    M("forms-degenerate-correction-not-identity", "generator/symbolic/forms.py",
+      "        if not degenerate:\n            return regular\n", "        return regular\n",
+      "the correction out of a degenerate old state is the regular one, not the identity: exp(-inf - m) * 0 "
+      "style nan/overflow after an all-masked prefix",
+      (SOUND, *EN_VALUES), ),
+    M("forms-nan-state-check-dropped", "generator/symbolic/forms.py",
+      "                if at is not None:\n", "                if False:\n",
+      "a state whose body can be nan (log of a negative, 0/0) is accepted as an online dependency: its nan "
+      "reaches the correction of a sum that counted nothing",
+      (SOUND,), cheap=True),
+    M("forms-overflowing-correction-accepted", "generator/symbolic/forms.py",
+      "                bad = correction_overflows(dd.correction, moves, self.rng) if moves else None\n",
+      "                bad = None\n",
+      "a multiplicative correction that overflows to inf as the states move (exp(m_old - m_new) for a growing "
+      "correction) is accepted: 0 * inf = nan",
+      (SOUND,), cheap=True),
+    M("forms-where-implication-ignored", "generator/symbolic/forms.py",
+      "        if not _implies(r.where, dep.where):\n", "        if False:\n",
+      "the guard proof ignores that r counts elements its dependency does not (different where=), so the dependency "
+      "can sit at its degenerate point on a prefix that is not empty for r",
+      (SOUND,), cheap=True),
+    M("algebra-max-distributes-over-any-factor", "generator/symbolic/algebra.py",
+      "        if sp.simplify(lhs - rhs) != 0:\n", "        if False:\n",
+      "max/min distributes over a factor of any sign: a rescale by a negative factor (a negative temperature) keeps "
+      "the old maximum instead of swapping to the minimum",
+      (SOUND, *EN_VALUES), ),
+    M("forms-mask-value-neutral-for-one-form", "generator/symbolic/forms.py",
+      "                ok = all(_neutral_at(f, atom, cand) for f in streamed)\n",
+      "                ok = any(_neutral_at(f, atom, cand) for f in streamed)\n",
+      "a mask value neutral for one streamed reduction but not for all: masked elements feed the others a term "
+      "(e.g. a sum of x at x = -inf)",
+      (SOUND, *EN_VALUES), ),
+    M("forms-empty-output-unguarded", "generator/symbolic/forms.py",
+      "            if math.isnan(v) or divides_by_zero:\n", "            if False:\n",
+      "an output that is undefined on an empty row (o / l with l = 0) is emitted without its `empty:` value: rows "
+      "that see no key return nan",
+      (SOUND, *EN_VALUES), ),
+    # ------------------------------------------------------------------------------------------------ CPU emitter
+    M("stream-attention-tail-mask-le", "generator/codegen/templates/stream_attention.py",
+      'masked = f"T.if_then_else(kt * {BN} + j < {limit}, {score}, {mask_value})"',
+      'masked = f"T.if_then_else(kt * {BN} + j <= {limit}, {score}, {mask_value})"',
+      "issue 17 (f): stream_attention's emitted tail mask lets the first key past the sequence end (or the causal "
+      "bound) through",
+      ("tests/test_stream_attention_template.py", "-k", SA_VALUES), ),
+    M("stream-attention-causal-band-off-by-one", "generator/codegen/templates/stream_attention.py",
+      'CAUSAL = KeyBand("causal", hi="r + 1 + seqlen_k - seqlen_q")',
+      'CAUSAL = KeyBand("causal", hi="r + seqlen_k - seqlen_q")',
+      "the bottom-right causal bound excludes the diagonal key (query r cannot see key r + Sk - Sq)",
+      ("tests/test_stream_attention_template.py", "-k", SA_VALUES), ),
+    M("merge-terms-without-correction", "generator/codegen/bridge.py",
+      '        e = seg * f.correction if f.kind == "*" else seg + f.correction\n',
+      '        e = seg if f.kind == "*" else seg + f.correction\n',
+      "the split-KV / split-K merge adds the segments' states without rescaling them to the merged maximum",
+      ("tests/test_stream_attention_template.py", "tests/test_paged_attention.py", "tests/test_quant_gemm_template.py",
+       "-k", f"{SA_VALUES} or {PA_VALUES} or {QG_VALUES}"), ),
+    M("paged-bridge-le-limit-off-by-one", "generator/codegen/templates/paged_attention_bridge.py",
+      "        limit = mask.rhs + 1\n", "        limit = mask.rhs\n",
+      "a mask written `j <= limit - 1` is read as `j < limit - 1`: the last key of every sequence is dropped",
+      ("tests/test_paged_attention.py", "-k", "with_le"), ),
+    M("quant-gemm-saturates-at-fnuz-max", "generator/codegen/templates/quant_gemm.py",
+      'QUANT_DTYPES = {"float8_e4m3fn": 448.0}', 'QUANT_DTYPES = {"float8_e4m3fn": 240.0}',
+      "the quantised values saturate at 240 (the max of e4m3fnuz, AMD's variant) instead of e4m3fn's 448: the "
+      "largest elements of every row are clipped",
+      ("tests/test_quant_gemm_template.py", "-k", QG_VALUES), ),
+    M("resident-row-sum-keeps-last-value", "generator/codegen/templates/resident_row.py",
+      '        return f"({acc} + {val})"', '        return f"{val}"',
+      "the resident-row kernel's sum reduction assigns instead of accumulating (acc = v for acc += v): the softmax "
+      "denominator and the renormalisation sums hold one lane's value",
+      ("tests/test_resident_row_template.py", "-k", RR_VALUES), ),
+    M("resident-row-nan-orders-as-inf", "generator/codegen/templates/resident_row.py",
+      'T.if_then_else(T.isnan({kf}), T.uint32(4286578688), T.reinterpret({kf}, \\"uint32\\"))',
+      'T.if_then_else(T.isnan({kf}), T.uint32(2139095040), T.reinterpret({kf}, \\"uint32\\"))',
+      "the CUDA top-k orders a NaN key as +inf (selected first) instead of -inf",
+      ("tests/test_resident_row_template.py", "-k", RR_VALUES), ),
+    M("paged-attention-v-rows-past-length-kept", "generator/codegen/templates/paged_attention.py",
+      'f"        if kt * {BN} + r >= kv_len:\\n"', 'f"        if kt * {BN} + r > kv_len:\\n"',
+      "the paged kernel zeroes V rows past the sequence end from one row too late: the first garbage row of the last "
+      "page (NaN in a recycled page) meets P = 0 and makes the output NaN (caught by running the emitted program)",
+      ("tests/test_paged_attention.py", "-k", PA_VALUES), ),
+    M("stream-bridge-window-lower-bound", "generator/codegen/templates/stream_attention_bridge.py",
+      "        else:\n            lo.append(bound + 1)\n", "        else:\n            lo.append(bound)\n",
+      "a strict lower bound on the key (j > i - window) is read as j >= i - window: a sliding window sees one key "
+      "too many",
+      ("tests/test_cuda_bridges.py", "tests/test_stream_attention_template.py", "-k", f"{BR_VALUES} or {SA_VALUES}"), ),
+    M("quant-bridge-accumulator-not-rescaled", "generator/codegen/templates/quant_gemm_bridge.py",
+      '    acc_corr = tl(acc.correction) if acc.kind == "*" else "T.float32(1)"\n',
+      '    acc_corr = "T.float32(1)"\n',
+      "the GEMM accumulator is not rescaled when the running abs-max grows: chunks quantised with an old scale are "
+      "summed as if with the new one",
+      ("tests/test_quant_gemm_template.py", "-k", QG_VALUES), ),
+    M("resident-bridge-group-score-is-max", "generator/codegen/templates/resident_row_bridge.py",
+      "            if k == 1:\n", "            if k <= 2:\n",
+      "a group is scored by its best expert instead of the sum of its top two (DeepSeek-V3's grouped routing with "
+      "a correction bias)",
+      ("tests/test_resident_row_template.py", "-k", RR_VALUES), ),
+    # ------------------------------------------------------------------------------------------------ rebuilding
+    # (in the order the runner builds them: few generated files first, the headers every kernel includes last)
+    M("cpp-e4m3-noop", "generator/codegen/cpp.py",
+      'ROUNDING = {cast_e4m3: "rf::round_e4m3", ', "ROUNDING = {",
+      "issue 17 (c): the e4m3 cast prints as its argument: fp8_quant_gemm's activations are never quantised",
+      ("tests/test_dtype_exact.py", "-k", "fp8"), ),
+    M("glue-size-checks-skipped-for-values", "generator/codegen/glue.py",
+      "            if not checks:\n                continue\n            if t.optional:\n                L.append(f\"  if (A.has_{t.name}) {{\")\n                L += [\"    \" + x for x in checks]",
+      "            if not checks or t.values:\n                continue\n            if t.optional:\n                L.append(f\"  if (A.has_{t.name}) {{\")\n                L += [\"    \" + x for x in checks]",
+      "issue 17 (e): the run-time size checks are skipped for tensors with a `values:` domain (block_table, "
+      "cache_seqlens, labels): a short one is read past its end",
+      ("tests/test_wrong_sizes.py",), ),
+    M("glue-value-domains-unchecked-on-cpu", "generator/codegen/glue.py",
+      '        *([f"  check_value_domains(c.A, {\', \'.join(doms)});"] if doms else []),\n',
+      "",
+      "the CPU entry does not check index tensors against their `values:` domain: a block_table entry past the "
+      "cache reads out of bounds",
+      ("tests/test_hardening.py",), ),
+    M("runtime-check-size-accepts-larger", "ops_src/runtime.cpp",
+      "  if (got == expected) return;\n", "  if (got >= expected) return;\n",
+      "a size check that accepts a larger dimension than the spec's (a tensor of another batch or head count is "
+      "silently read in part)",
+      ("tests/test_wrong_sizes.py",), ),
+    M("cpu-math-nan-keys-first", "ops_src/cpu_math.h",
+      "  if (na != nb) return nb;  // a non-NaN key beats a NaN key\n", "  if (na != nb) return na;\n",
+      "issue 17 (d): NaN keys rank before every other key in the CPU selections (top-k routing picks NaN experts)",
+      ("tests/test_dtype_exact.py", "-k", "nan_rows"), ),
+    M("runtime-bf16-store-truncates", "ops_src/runtime.h",
+      "  const uint32_t rounded = u + 0x7FFFu + ((u >> 16) & 1u);  // ties to even; overflow -> inf\n",
+      "  const uint32_t rounded = u;\n",
+      "bf16 stores truncate instead of rounding to nearest even",
+      ("tests/test_dtype_exact.py", "-k", "half_output"), ),
+    M("cpu-math-sigmoid-sign", "ops_src/cpu_math.h",
+      "inline float sigmoid(float x) { return 1.0f / (1.0f + redfuser::cpu::exp(-x)); }",
+      "inline float sigmoid(float x) { return 1.0f / (1.0f + redfuser::cpu::exp(x)); }",
+      "the CPU sigmoid has the sign of its exponent flipped (sigmoid(-x)): sigmoid routing picks the smallest logits",
+      ("tests/test_moe_route.py", *NOSLOW), ),
+    M("cpu-math-exp-ln2-split-sign", "ops_src/cpu_math.h",
+      "  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 split: hi + lo parts\n",
+      "  const float r = (xc - n * 0.693359375f) - n * 2.12194440e-4f;\n",
+      "the low part of ln 2 in exp's range reduction has the wrong sign (relative error ~4e-4 per unit of n)",
+      (*ROWS, *ATTN), ),
+    M("cpu-math-e4m3-subnormal-scale", "ops_src/cpu_math.h",
+      "    return (sign ? -1.0f : 1.0f) * std::ldexp(static_cast<float>(man), -9);  // subnormal: man * 2^-9\n",
+      "    return (sign ? -1.0f : 1.0f) * std::ldexp(static_cast<float>(man), -10);\n",
+      "e4m3 subnormals decode at half their value (wrong exponent of the subnormal range)",
+      ("tests/test_dtype_exact.py", "-k", "fp8"), ),
+    M("cpu-chunk-tail-dropped", "generator/codegen/cpu.py",
+      'self.block(f"for (int64_t c0 = 0; c0 < ex_{self.ir.over}; c0 += {CHUNK})")',
+      'self.block(f"for (int64_t c0 = 0; c0 + {CHUNK} <= ex_{self.ir.over}; c0 += {CHUNK})")',
+      "the chunk loop of the row kernels stops at the last full chunk: a row whose length is not a multiple of the "
+      "chunk loses its tail",
+      ROWS, ),
+    M("cpu-lane-remainder-dropped", "generator/codegen/cpu.py",
+      'self.block("for (int64_t jj = jl; jj < cn; ++jj)")', 'self.block("for (int64_t jj = cn; jj < cn; ++jj)")',
+      "the vectorised reduction forgets the scalar remainder after its LANES-wide loop",
+      ROWS, ),
+    M("cpu-online-rescale-dropped", "generator/codegen/cpu.py",
+      '                self.emit(f"st_{f.name} = st_{f.name} {op} {cname};")',
+      '                self.emit(f"(void){cname};")',
+      "the online correction of a scalar state is computed but not applied (a softmax denominator not rescaled "
+      "when the running max moves between chunks)",
+      ROWS, ),
+    M("cpu-state-init-zero", "generator/codegen/cpu.py",
+      '            self.emit(f"float st_{f.name} = {neutral};")', '            self.emit(f"float st_{f.name} = 0.0f;")',
+      "a row state starts at 0 instead of its neutral element: a running max of an all-negative row stays 0 "
+      "(and exp(x - 0) underflows on rows of very negative logits)",
+      ("tests/test_value_extremes.py", *ROWS), ),
+    M("tiles-score-gemm-drops-last-row-of-run", "generator/codegen/cpu_tiles.py",
+      'k.emit(f"rf::gemm_tile(r1 - r0, {ch}, ex_{c}, b{buf} + r0 * ex_{c}',
+      'k.emit(f"rf::gemm_tile(r1 - r0 - 1, {ch}, ex_{c}, b{buf} + r0 * ex_{c}',
+      "the score GEMM of a run of rows that share a packed tile computes one row too few (an exclusive end read as "
+      "inclusive): the last row of each run keeps stale scores",
+      (*ATTN, "tests/test_mla_decode.py"), ),
+]
