@@ -124,7 +124,7 @@ MUTANTS: list[Mutant] = [
       'masked = f"T.if_then_else(kt * {BN} + j <= {limit}, {score}, {mask_value})"',
       "issue 17 (f): stream_attention's emitted tail mask lets the first key past the sequence end (or the causal "
       "bound) through",
-      ("tests/test_stream_attention_template.py", "-k", SA_VALUES), ),
+      ("tests/test_emitted_programs.py", "-k", "fused_attention_programs or sliding_window_attention_programs"), ),
     M("stream-attention-causal-band-off-by-one", "generator/codegen/templates/stream_attention.py",
       'CAUSAL = KeyBand("causal", hi="r + 1 + seqlen_k - seqlen_q")',
       'CAUSAL = KeyBand("causal", hi="r + seqlen_k - seqlen_q")',
@@ -159,7 +159,7 @@ MUTANTS: list[Mutant] = [
       'f"        if kt * {BN} + r >= kv_len:\\n"', 'f"        if kt * {BN} + r > kv_len:\\n"',
       "the paged kernel zeroes V rows past the sequence end from one row too late: the first garbage row of the last "
       "page (NaN in a recycled page) meets P = 0 and makes the output NaN (caught by running the emitted program)",
-      ("tests/test_paged_attention.py", "-k", PA_VALUES), ),
+      ("tests/test_emitted_programs.py", "-k", "mla_decode_programs"), ),
     M("stream-bridge-window-lower-bound", "generator/codegen/templates/stream_attention_bridge.py",
       "        else:\n            lo.append(bound + 1)\n", "        else:\n            lo.append(bound)\n",
       "a strict lower bound on the key (j > i - window) is read as j >= i - window: a sliding window sees one key "
