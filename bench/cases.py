@@ -551,7 +551,8 @@ def gemm_cases(device: str, size: str) -> list[Case]:
                  "tiny": ["small"]}[size]
     if size == "tiny" and device == "cuda":
         gemms = gemms[:1]
-    return [gemm_case(g, M, torch.bfloat16, device, 4 if g.startswith("dsv3") else 5) for g in gemms for M in ms]
+    return [gemm_case(g, M, torch.bfloat16, device, 4 if g.startswith("dsv3") or g == "llama3-o" else 5)
+            for g in gemms for M in ms]
 
 
 OPS = {"fused_attention": attention_cases, "moe_route": route_cases, "mla_decode": mla_cases, "fp8_quant_gemm": gemm_cases,
