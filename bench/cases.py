@@ -571,8 +571,9 @@ def mla_cases(device: str, size: str) -> list[Case]:
                   "tiny": [(2, 1000, 16)]}[size]
     else:
         dtypes = [torch.bfloat16]
-        shapes = {"full": [(1, 4096, 16), (8, 4096, 16), (8, 2048, 128), (8, 2048, 16, 2)],
-                  "quick": [(1, 4096, 16), (8, 1024, 128)],
+        # issue 14's shape (B4 Hq16 L4096) first; (B, ctx, Hq, Sq) with Sq > 1 causal
+        shapes = {"full": [(4, 4096, 16), (1, 4096, 16), (8, 4096, 16), (8, 2048, 128), (8, 2048, 16, 2)],
+                  "quick": [(4, 4096, 16), (1, 4096, 16), (8, 1024, 128)],
                   "tiny": [(2, 300, 16), (2, 300, 4, 3)]}[size]
     peer_names = ["eager", "compile"] if size != "tiny" else ["eager"]
     out = []
@@ -591,7 +592,7 @@ def mla_cases(device: str, size: str) -> list[Case]:
 # Llama-3-8B (fused qkv, MLP down projection)
 GEMMS = {
     "dsv3-qkv-a": (2112, 7168), "dsv3-q-b": (24576, 1536), "dsv3-o": (7168, 16384), "dsv3-wo-b": (7168, 2048),
-    "llama3-qkv": (6144, 4096), "llama3-down": (4096, 14336),
+    "llama3-qkv": (6144, 4096), "llama3-down": (4096, 14336), "llama3-o": (4096, 4096),
     "small": (512, 512),  # CPU smoke test only
 }
 
@@ -648,10 +649,13 @@ def gemm_cases(device: str, size: str) -> list[Case]:
         gemms = list(GEMMS) if size == "full" else ["dsv3-q-b", "dsv3-wo-b", "llama3-qkv", "llama3-down"]
     else:
         ms = {"full": [1, 16, 128, 1024], "quick": [1, 16, 128], "tiny": [1, 16]}[size]
-        gemms = ["dsv3-wo-b", "llama3-qkv"] if size != "tiny" else ["small"]  # tiny: a smoke test in seconds
+        # llama3-o at M 128 is issue 14's shape (N 4096, K 4096); tiny: a smoke test in seconds
+        gemms = {"full": ["llama3-o", "dsv3-wo-b", "llama3-qkv"], "quick": ["llama3-o", "dsv3-wo-b"],
+                 "tiny": ["small"]}[size]
     if size == "tiny" and device == "cuda":
         gemms = gemms[:1]
-    return [gemm_case(g, M, torch.bfloat16, device, 4 if g.startswith("dsv3") else 5) for g in gemms for M in ms]
+    return [gemm_case(g, M, torch.bfloat16, device, 4 if g.startswith("dsv3") or g == "llama3-o" else 5)
+            for g in gemms for M in ms]
 
 
 OPS = {"fused_attention": attention_cases, "moe_route": route_cases, "mla_decode": mla_cases, "fp8_quant_gemm": gemm_cases,

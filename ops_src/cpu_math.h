@@ -283,6 +283,17 @@ inline int64_t sel_position(const float* keys, const int64_t* idx, const uint8_t
   // which compare false, take the general path)
   if (k > 0 && ok[k - 1] && (key < keys[k - 1] || (key == keys[k - 1] && index > idx[k - 1]))) return k;
   int64_t pos = k;
+  if (key == key) {
+    // a non-NaN key (the usual case): sel_better without its NaN branches, one test per entry; it beats an
+    // unfilled entry, a NaN entry (!(kp >= key) holds for NaN), a smaller key, an equal key of a higher index
+    while (pos > 0) {
+      const float kp = keys[pos - 1];
+      const bool beats = !ok[pos - 1] | !(kp >= key) | ((kp == key) & (index < idx[pos - 1]));
+      if (!beats) break;
+      --pos;
+    }
+    return pos;
+  }
   while (pos > 0 && (!ok[pos - 1] || sel_better(key, index, keys[pos - 1], idx[pos - 1]))) --pos;
   return pos;
 }

@@ -186,3 +186,26 @@ def test_cpu_row_blocks_across_threads(threads):
             judge(q, k, v, Sq > 1)
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cpu_one_row_runs_and_half_kv_in_place(dtype):
+    """Runs of one row (MHA decode: every (b, h) has its own K/V) take the CPU kernels' unpacked path (dot products
+    and the fold straight from K/V); half-precision K/V are read in their dtype and widened per tile, also with a
+    non-unit last-dimension stride (copied to unit stride in the glue, in their dtype). A key that only the second
+    query row sees holds inf in V: the first row (a run of its own: 2 rows give blocks of 1) must stay finite."""
+    gen = torch.Generator().manual_seed(5)
+    for B, Sq, Sk, H in [(3, 1, 77, 4), (2, 1, 130, 1), (1, 1, 64, 2)]:
+        q, k, v = strided_inputs(B, Sq, Sk, H, H, 64, dtype, "cpu", gen)
+        judge(q, k, v, False)
+        kt = torch.randn(B, Sk, H, 2 * 64, generator=gen).to(dtype)[..., ::2]  # last-dimension stride 2
+        assert kt.stride(-1) == 2
+        judge(q, kt, v, False)
+    q, k, v = strided_inputs(1, 2, 5, 1, 1, 64, dtype, "cpu", gen)
+    v = v.clone()
+    v[:, -1, :, 3] = float("inf")
+    out, lse = torch.ops.redfuser.fused_attention(q, k, v, True, None)
+    r_out, _ = ref.fused_attention(q[:, :1], k[:, :-1], v[:, :-1], True, None, dtype=torch.float64)
+    assert torch.isfinite(out[:, 0]).all() and torch.isfinite(lse).all()
+    assert (out[:, :1].double() - r_out).abs().max().item() <= (1e-5 if dtype == torch.float32 else 2e-2)
+    assert not torch.isfinite(out[:, 1, :, 3]).any()

@@ -75,13 +75,63 @@ def float_inputs(spec: OpSpec) -> list[str]:
     return out
 
 
-def type_params(spec: OpSpec) -> tuple[dict[str, str], list[TypeParam]]:
-    """C++ element type (a literal type or a template parameter name) of every tensor argument and output."""
+def _tensor_reads(e) -> set[str]:
+    if not isinstance(e, sp.Basic):
+        return set()
+    return {str(x.base.label) for x in e.atoms(sp.Indexed)}
+
+
+def native_inputs(op: OpAnalysis) -> set[str]:
+    """Floating inputs that the CPU kernels read in their own dtype (bf16/fp16 widened per packed tile, in the
+    pack loops of the block kernels, instead of the whole tensor converted to float32 by the glue per call: the
+    whole paged MLA cache, referenced or not, otherwise). A tensor qualifies when every specialisation is a block
+    kernel and the tensor is read only as a streamed factor of its GEMM tiles (packed per chunk)."""
+    spec = op.spec
+    floats = float_inputs(spec)
+    types = {t.name: "float" for t in spec.tensors}
+    out: set[str] | None = None
+    for n, a in enumerate(op.cases):
+        k = _Kernel(spec, a, n, types, native=set())
+        if k.plan is None:
+            return set()
+        packed = set().union(*[_tensor_reads(g.elem) for g in k.plan.sums],
+                             *[_tensor_reads(g.inner) for g in k.plan.folds.values()])
+        sums = {g.s: sp.Symbol(f"_packed_sum{i}") for i, g in enumerate(k.plan.sums)}
+        elsewhere: set[str] = set()
+        for let in a.ir.lets:
+            elsewhere |= _tensor_reads(let.expr.xreplace(sums) if isinstance(let.expr, sp.Basic) else let.expr)
+        elsewhere |= _tensor_reads(a.ir.mask)
+        for f in a.reductions:
+            if f.name not in k.plan.folds:
+                elsewhere |= _tensor_reads(f.body) | _tensor_reads(f.term) | _tensor_reads(f.where)
+            else:  # the fold's weight is computed per row; only its streamed factor is packed
+                elsewhere |= _tensor_reads(k.plan.folds[f.name].outer) | _tensor_reads(f.where)
+            for p in f.payloads:
+                elsewhere |= _tensor_reads(p.term)
+        for o in a.outputs:
+            elsewhere |= _tensor_reads(o.value)
+        mine = {t for t in packed if t in floats and t not in elsewhere}
+        out = mine if out is None else out & mine
+    return out or set()
+
+
+def type_params(spec: OpSpec, native: set[str] | frozenset[str] = frozenset()) -> tuple[dict[str, str], list[TypeParam]]:
+    """C++ element type (a literal type or a template parameter name) of every tensor argument and output.
+    Floating inputs are float (converted by the glue) except the `native` ones, which share one template parameter
+    per group of tensors of one dtype (k and v: the dtype of q)."""
     types: dict[str, str] = {}
     params: list[TypeParam] = []
     floats = float_inputs(spec)
+    groups: dict[str, str] = {}
     for t in spec.tensors:
-        if t.name in floats:
+        if t.name in native:
+            base = t.same_as or t.name
+            if base not in groups:
+                groups[base] = f"T_{t.name}"
+                dts = spec.variants.cpu_dtypes if base == spec.tensors[0].name else spec.arg(base).dtypes
+                params.append(TypeParam(f"T_{t.name}", f"dt_{t.name}", tuple(d for d in dts if d in CPP_TYPES)))
+            types[t.name] = groups[base]
+        elif t.name in floats:
             types[t.name] = "float"
         elif t.same_as:
             types[t.name] = types[t.same_as]
@@ -97,6 +147,9 @@ def type_params(spec: OpSpec) -> tuple[dict[str, str], list[TypeParam]]:
         elif o.dtype in types or " or " in o.dtype:  # follows an input's dtype (or a ScalarType argument)
             src = o.dtype.split(" or ")[-1].strip()
             base = spec.arg(src)
+            if " or " not in o.dtype and (base.same_as or src) in groups:  # the dtype of a native group: its type
+                types[key] = groups[base.same_as or src]
+                continue
             dts = (spec.arg(base.same_as).dtypes if base.same_as else base.dtypes) if " or " not in o.dtype else FLOATS
             if src == spec.tensors[0].name and " or " not in o.dtype:
                 dts = spec.variants.cpu_dtypes
@@ -109,7 +162,7 @@ def type_params(spec: OpSpec) -> tuple[dict[str, str], list[TypeParam]]:
 
 # --------------------------------------------------------------------------------------------- one kernel
 class _Kernel:
-    def __init__(self, spec: OpSpec, a: Analysis, index: int, types: dict[str, str]):
+    def __init__(self, spec: OpSpec, a: Analysis, index: int, types: dict[str, str], native: set[str]):
         self.spec = spec
         self.a = a
         self.ir = a.ir
@@ -122,7 +175,8 @@ class _Kernel:
         self.hoisted: dict[sp.Basic, str] = {}  # row-invariant contraction factors -> row buffers
         self.local: dict[sp.Basic, str] = {}  # temporaries (cse, contractions)
         self.pr = CppPrinter(self.resolve)
-        self.floats = set(float_inputs(spec))
+        self.floats = set(float_inputs(spec))  # unit last-dimension stride (the glue sees to it)
+        self.native = native  # read in their own dtype (see native_inputs)
         self.tabled = self.row_invariant_lets()
         self.key_arrays = {f.name for f in a.reductions if f.stage == "stream" and self.precomputed_key(f)}
         self.plan = block_plan(self)
@@ -1045,7 +1099,8 @@ def cpu_header(op: OpAnalysis) -> str:
 
 def cpu_source(op: OpAnalysis, header_name: str) -> str:
     spec = op.spec
-    types, params = type_params(spec)
+    native = native_inputs(op)
+    types, params = type_params(spec, native)
     template = [p.name for p in params]
     out = [
         f"#include \"{header_name}\"",
@@ -1060,7 +1115,7 @@ def cpu_source(op: OpAnalysis, header_name: str) -> str:
         "namespace rf = redfuser::cpu;",
         "",
     ]
-    kernels = [_Kernel(spec, a, n, types) for n, a in enumerate(op.cases)]
+    kernels = [_Kernel(spec, a, n, types, native) for n, a in enumerate(op.cases)]
     for k in kernels:
         out.append(k.function(template))
     # dispatch: case by flags, then element types, then rows (or blocks of rows) in parallel
@@ -1095,4 +1150,4 @@ def _grain(a: Analysis) -> int:
     return 4 if a.ir.element_lets and any(x.expr.atoms(sp.Sum) for x in a.ir.element_lets) else 64
 
 
-__all__ = ["CPP_TYPES", "MONOIDS", "cpu_header", "cpu_source", "element_atoms", "is_bool", "type_params"]
+__all__ = ["CPP_TYPES", "MONOIDS", "cpu_header", "cpu_source", "element_atoms", "is_bool", "native_inputs", "type_params"]

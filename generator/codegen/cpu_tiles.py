@@ -351,6 +351,18 @@ def _pack_sum(k, g: GemmSum) -> None:
     k.block("")
     k.emit(f"// {g.s}: the streamed factor packed once for the run, then one GEMM tile")
     _any_live(k, "ok")
+    buf = k.hoisted[g.key].split("[")[0]
+    one = _unit_last(k, g.elem, g.c)
+    if one:
+        k.block("if (r1 - r0 == 1)")
+        k.emit("// a run of one row (MHA decode): nothing to share, so no pack: dot products from the operand itself")
+        k.emit(f"const float* rq = b{buf} + r0 * ex_{c};")
+        _one_row(k, "ok", lambda u: (
+            [f"float d{u} = 0.0f;"],
+            f"d{u} += rq[ix_{c}] * {k.pr.flt(g.elem)};",
+            [f"b{g.dots}[r0 * {ch} + jb + {u}] = d{u};"]), c, None)
+        k.end("} else {")
+        k.ind += 1
     k.block(f"for (int64_t jj = 0; jj < {ch}; ++jj)")
     _first_row(k, "ok", "jj < cn")
     k.block("if (rs < 0)")
@@ -362,10 +374,66 @@ def _pack_sum(k, g: GemmSum) -> None:
     k.emit(f"(void)ix_{ir.over};")
     k.emit(f"for (int64_t ix_{c} = 0; ix_{c} < ex_{c}; ++ix_{c}) {g.pack}[ix_{c} * {ch} + jj] = {k.pr.flt(g.elem)};")
     k.end()
-    buf = k.hoisted[g.key].split("[")[0]
     k.emit(f"rf::gemm_tile(r1 - r0, {ch}, ex_{c}, b{buf} + r0 * ex_{c}, ex_{c}, {g.pack}, {ch}, b{g.dots} + r0 * {ch}, "
            f"{ch}, false);")
+    if one:
+        k.end()
     k.end()
+    k.end()
+
+
+def _unit_last(k, e: sp.Expr, axis: sp.Symbol) -> bool:
+    """Whether every tensor read in e that depends on `axis` has it as its last index (a unit stride for the float
+    and native inputs, see the glue): the one-row paths loop over `axis` innermost, straight from the tensor."""
+    reads = [x for x in e.atoms(sp.Indexed) if axis in x.free_symbols]
+    return bool(reads) and all(x.indices[-1] == axis and str(x.base.label) in k.floats
+                               and not any(axis in i.free_symbols for i in x.indices[:-1]) for x in reads)
+
+
+def _one_row(k, flags: str, parts, axis: str, fold: str | None) -> None:
+    """The elements of a chunk for the one row r0 of a run where `flags` holds, UNROLL at a time where it holds
+    for all of them (one pass over `axis` serves them all), else one at a time. parts(u) gives (lines before the
+    axis loop, the element's term in it, lines after it) for element jb + u; with `fold`, the terms are summed
+    into `fold + ...` per axis index, else each term is a statement."""
+    from .cpu import UNROLL
+
+    ir, ch = k.ir, _chunk()
+    bind_row(k, "r0", light=True)
+    k.emit("int64_t jb = 0;")
+
+    def group(width: int, cond: str) -> None:
+        k.block(cond)
+        saved = dict(k.local)
+        pre, terms, post = [], [], []
+        for u in range(width):
+            k.local.update(k.element_overrides(u, "jb"))
+            k.emit(f"const int64_t ix_{ir.over}_{u} = c0 + jb + {u};")
+            k.emit(f"(void)ix_{ir.over}_{u};")
+            a, t, b = parts(u)
+            pre += a
+            terms.append(t)
+            post += b
+            k.local = dict(saved)
+        for line in pre:
+            k.emit(line)
+        body = f"{fold} + {' + '.join(terms)};" if fold else "{ " + " ".join(terms) + " }"
+        k.emit(f"for (int64_t ix_{axis} = 0; ix_{axis} < ex_{axis}; ++ix_{axis}) {body}")
+        for line in post:
+            k.emit(line)
+        k.end()
+
+    k.block(f"for (; jb + {UNROLL} <= cn; jb += {UNROLL})")
+    group(UNROLL, f"if ({' && '.join(f'bel_{flags}[r0 * {ch} + jb + {u}]' for u in range(UNROLL))})")
+    k.emit("else")
+    k.block(f"for (int64_t u = 0; u < {UNROLL}; ++u)")
+    k.emit("const int64_t jb0 = jb;")
+    k.emit("jb = jb0 + u;")
+    group(1, f"if (bel_{flags}[r0 * {ch} + jb])")
+    k.emit("jb = jb0;")
+    k.end()
+    k.end()
+    k.block("for (; jb < cn; ++jb)")
+    group(1, f"if (bel_{flags}[r0 * {ch} + jb])")
     k.end()
 
 
@@ -394,6 +462,17 @@ def _pack_fold(k, g: GemmFold, f) -> None:
     k.emit(f"// fold of {g.name}: the streamed factor packed once per column tile for the run, then one GEMM tile")
     k.emit(f"const int64_t szf = {size};")
     _any_live(k, "cnt")
+    one = _unit_last(k, g.inner, k.ir.indices[n])
+    if one:  # (a weight read across its rows, fp8's W[n, k], keeps the packed tiles: W[n, k0:k0+64] per row n)
+        k.block("if (r1 - r0 == 1)")
+        k.emit("// a run of one row: the row kernel's fold, over counted elements, straight from the operand")
+        k.emit(f"float* acc = bst_{g.name} + r0 * szf;")
+        _one_row(k, "cnt", lambda u: (
+            [f"const float w{u} = b{g.wbuf}[r0 * {ch} + jb + {u}];"],
+            f"w{u} * {k.pr.flt(g.inner)}",
+            []), n, f"acc[ix_{n}] = acc[ix_{n}]")
+        k.end("} else {")
+        k.ind += 1
     k.block(f"for (int64_t n0 = 0; n0 < ex_{n}; n0 += {NTILE})")
     k.emit(f"const int64_t nt = std::min<int64_t>({NTILE}, ex_{n} - n0);")
     k.emit("uint32_t bad = 0;  // a packed inf/NaN: fold element by element over counted elements only")
@@ -429,6 +508,8 @@ def _pack_fold(k, g: GemmFold, f) -> None:
     k.end()
     k.end()
     k.end()
+    if one:
+        k.end()
     k.end()
     k.end()
 
