@@ -160,6 +160,18 @@ MUTANTS: list[Mutant] = [
       "the paged kernel zeroes V rows past the sequence end from one row too late: the first garbage row of the last "
       "page (NaN in a recycled page) meets P = 0 and makes the output NaN (caught by running the emitted program)",
       ("tests/test_emitted_programs.py", "-k", "mla_decode_programs"), ),
+    M("stream-row-tail-le", "generator/codegen/templates/stream_row.py",
+      '                    term = f"T.if_then_else(i_e < L, {term}, {_neutral(s.op)})"',
+      '                    term = f"T.if_then_else(i_e <= L, {term}, {_neutral(s.op)})"',
+      "the long-row kernel's tail chunk lets the element one past the row's end into the states (the next row's "
+      "first element, or zero fill)",
+      ("tests/test_stream_row_template.py", "-k", "sim_matches_reference"), ),
+    M("stream-row-bridge-where-dropped", "generator/codegen/templates/stream_row_bridge.py",
+      "            term = sp.Piecewise((term, expand(f.where)), (MONOIDS[f.op].neutral, True))\n",
+      "            pass\n",
+      "a `where=` reduction is streamed unconditionally: elements the predicate excludes (a -inf logit in an "
+      "entropy) feed the state (0 * -inf = nan)",
+      ("tests/test_stream_row_template.py", "-k", "where_predicate"), ),
     M("stream-bridge-window-lower-bound", "generator/codegen/templates/stream_attention_bridge.py",
       "        else:\n            lo.append(bound + 1)\n", "        else:\n            lo.append(bound)\n",
       "a strict lower bound on the key (j > i - window) is read as j >= i - window: a sliding window sees one key "
