@@ -30,8 +30,10 @@ def _valid(op: str) -> dict:
     if op == "sliding_window_attention":
         return {"q": torch.randn(2, 3, 4, 8, generator=g), "k": torch.randn(2, 5, 2, 8, generator=g),
                 "v": torch.randn(2, 5, 2, 8, generator=g), "window": 2, "softcap": 50.0, "softmax_scale": None}
-    if op == "logsumexp":
+    if op in ("logsumexp", "row_softmax"):
         return {"x": torch.randn(3, 7, generator=g)}
+    if op == "rms_norm_fp8_quant":
+        return {"x": torch.randn(3, 7, generator=g), "weight": torch.rand(7, generator=g) + 0.5, "eps": 1e-6}
     if op == "softmax_cross_entropy":
         return {"logits": torch.randn(3, 7, generator=g), "target": torch.tensor([0, 6, 2]),
                 "label_smoothing": 0.0, "ignore_index": -100}
