@@ -453,13 +453,110 @@ def rows_case(op: str, T: int, V: int, dtype: torch.dtype, eps: float = 0.1) -> 
 
 def _rows_cases(op: str) -> Callable[[str, str], list[Case]]:
     def cases(device: str, size: str) -> list[Case]:
-        if device != "cpu":  # no CUDA template serves long rows yet (specs/README.md)
-            return []
+        if device == "cuda":  # the stream_row template (a CTA per row): vocabularies of 32k and 128k (Llama 3)
+            shapes = {"full": [(1024, 128256), (4096, 128256), (8192, 32000), (16, 128256)],
+                      "quick": [(1024, 128256), (4096, 32000)], "tiny": [(64, 128256)]}[size]
+            dts = [torch.bfloat16, torch.float32][:1 if size == "tiny" else 2]
+            return [rows_case(op, T, V, dt) for T, V in shapes for dt in dts]
         shapes = {"full": [(64, 32000), (16, 128256), (512, 32000)], "quick": [(64, 32000), (16, 128256)],
                   "tiny": [(4, 1000)]}[size]
         return [rows_case(op, T, V, dt) for T, V in shapes for dt in [torch.float32, torch.bfloat16][:1 if size == "tiny" else 2]]
 
     return cases
+
+
+# ----------------------------------------------------------------------------------------------------------
+# rms_norm_fp8_quant, row_softmax: ops made only of their YAML spec whose outputs are indexed by the streamed
+# axis (a final pass over the row writes each element); CPU only (no CUDA template writes per-element outputs)
+# ----------------------------------------------------------------------------------------------------------
+E4M3_MAX, E4M3_MIN_SCALE = 448.0, 1.0 / (448.0 * 512.0)  # vLLM's per-token convention (specs/rms_norm_fp8_quant.yaml)
+
+
+def _rms_quant_torch(x: Tensor, w: Tensor, eps: float, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """RMS norm then per-token quantisation written with torch ops in `dtype` (float32: what vLLM's native path
+    computes); returns (y / scale clamped to +-448, scale), not yet rounded to e4m3."""
+    xd = x.to(dtype)
+    y = xd * torch.rsqrt(xd.square().mean(dim=-1, keepdim=True) + eps) * w.to(dtype)
+    scale = (y.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=E4M3_MIN_SCALE)
+    return (y / scale).clamp(-E4M3_MAX, E4M3_MAX), scale[:, 0]
+
+
+def _rms_quant_check(eps: float) -> Callable[[str, Any, tuple], dict]:
+    """On the first rows: q within one e4m3 unit of the e4m3 rounding of the float64 reference, scale within a
+    relative 5e-6 of it (tests/test_per_element_outputs.py judges the same way)."""
+
+    def check(impl: str, result: Any, inputs: tuple) -> dict[str, Any]:
+        x, w = inputs[0][:64].cpu(), inputs[1].cpu()
+        q, scale = result[0][:64].cpu().double(), result[1][:64].cpu().double()
+        ref_v, ref_s = _rms_quant_torch(x, w, eps, torch.float64)
+        ref_q = ref_v.to(torch.float8_e4m3fn).double()
+        unit = torch.exp2(torch.floor(torch.log2(torch.maximum(q.abs(), ref_q.abs()).clamp(min=2.0**-6))) - 3)
+        q_units = ((q - ref_q).abs() / unit).max().item()
+        rel = ((scale - ref_s).abs() / ref_s).max().item()
+        return {"q_max_units": q_units, "scale_rel_err": rel, "ok": bool(q_units <= 1 and rel <= 5e-6)}
+
+    return check
+
+
+def rms_quant_case(T: int, N: int, dtype: torch.dtype, eps: float = 1e-6) -> Case:
+    esize = torch.tensor([], dtype=dtype).element_size()
+
+    def make_inputs(gen: torch.Generator, dev: str) -> tuple:
+        x = (torch.randn(T, N, generator=gen, device=dev) * 3).to(dtype)
+        w = (1 + 0.5 * torch.randn(N, generator=gen, device=dev)).to(dtype)
+        return x, w
+
+    def eager(x, w):
+        v, scale = _rms_quant_torch(x, w, eps)
+        return v.to(torch.float8_e4m3fn), scale
+
+    def ours(x, w):
+        return torch.ops.redfuser.rms_norm_fp8_quant(x, w, eps)
+
+    impls = [Impl("redfuser", ours), Impl("eager", eager), Impl("compile", torch.compile(eager, dynamic=False))]
+    return Case("rms_norm_fp8_quant", "rows", f"T{T} N{N} {DT_SHORT[dtype]}", {"T": T, "N": N, "dtype": DT_SHORT[dtype]},
+                dtype, float(T * N * 8), float(T * N * (esize + 1) + N * esize + T * 4), T * N * esize + N * esize,
+                make_inputs, impls, _rms_quant_check(eps), 5)
+
+
+def rms_quant_cases(device: str, size: str) -> list[Case]:
+    if device != "cpu":  # CPU only: no CUDA template writes per-element outputs yet (specs/README.md)
+        return []
+    shapes = {"full": [(1, 4096), (128, 4096), (128, 7168), (1024, 4096), (1024, 7168)],
+              "quick": [(1, 4096), (128, 4096), (128, 7168)], "tiny": [(4, 256)]}[size]
+    return [rms_quant_case(T, N, dt) for T, N in shapes for dt in [torch.float32, torch.bfloat16][:1 if size == "tiny" else 2]]
+
+
+def _softmax_check(impl: str, result: Any, inputs: tuple) -> dict[str, Any]:
+    """On the first rows, ACCEPTANCE.md's rule against torch.softmax in float64 (plain: in the inputs' dtype)."""
+    x = inputs[0][:64].cpu()
+    ref = torch.softmax(x.double(), dim=-1)
+    plain = _maxerr(torch.softmax(x, dim=-1).double(), ref)
+    err = _maxerr(result[:64].cpu().double(), ref)
+    return {"max_err": err, "bound": 2 * plain + 1e-5, "plain_err": plain, "ok": bool(err <= 2 * plain + 1e-5)}
+
+
+def softmax_case(T: int, E: int, dtype: torch.dtype) -> Case:
+    esize = torch.tensor([], dtype=dtype).element_size()
+
+    def make_inputs(gen: torch.Generator, dev: str) -> tuple:
+        return ((torch.randn(T, E, generator=gen, device=dev) * 4).to(dtype),)
+
+    def eager(x):
+        return torch.softmax(x, dim=-1)
+
+    impls = [Impl("redfuser", torch.ops.redfuser.row_softmax), Impl("eager", eager),
+             Impl("compile", torch.compile(eager, dynamic=False))]
+    return Case("row_softmax", "rows", f"T{T} E{E} {DT_SHORT[dtype]}", {"T": T, "E": E, "dtype": DT_SHORT[dtype]},
+                dtype, float(T * E * 5), float(2 * T * E * esize), T * E * esize, make_inputs, impls, _softmax_check, 5)
+
+
+def softmax_cases(device: str, size: str) -> list[Case]:
+    if device != "cpu":  # CPU only (as above)
+        return []
+    shapes = {"full": [(64, 32000), (1024, 4096), (16, 128256)], "quick": [(64, 32000), (1024, 4096)],
+              "tiny": [(4, 1000)]}[size]
+    return [softmax_case(T, E, dt) for T, E in shapes for dt in [torch.float32, torch.bfloat16][:1 if size == "tiny" else 2]]
 
 
 def mla_cases(device: str, size: str) -> list[Case]:
@@ -551,4 +648,5 @@ def gemm_cases(device: str, size: str) -> list[Case]:
 
 
 OPS = {"fused_attention": attention_cases, "moe_route": route_cases, "mla_decode": mla_cases, "fp8_quant_gemm": gemm_cases,
-       "softmax_cross_entropy": _rows_cases("softmax_cross_entropy"), "logsumexp": _rows_cases("logsumexp")}
+       "softmax_cross_entropy": _rows_cases("softmax_cross_entropy"), "logsumexp": _rows_cases("logsumexp"),
+       "rms_norm_fp8_quant": rms_quant_cases, "row_softmax": softmax_cases}

@@ -64,6 +64,12 @@ RULES: tuple[Rule, ...] = (
          why="merge of split-K partial rows: no GEMM"),
     Rule("fp8_quant_gemm__*__sm89", "fp8 gemm", require=("QMMA",), forbid=("HMMA",),
          why="e4m3 x e4m3 on fp8 mma.sync (QMMA.16832)"),
+    # long rows streamed by one CTA each (stream_row): vector loads, warp shuffles + shared memory for the merge;
+    # no matrix work, no TMA (specs/logsumexp.yaml, specs/softmax_cross_entropy.yaml)
+    Rule("logsumexp__*__sm90a", "stream row", require=("SHFL",), forbid=("HGMMA", "QGMMA", "UTMALDG"),
+         why="one CTA per row: online states in registers, merged by warp shuffles and shared memory"),
+    Rule("softmax_cross_entropy__*__sm90a", "stream row", require=("SHFL",), forbid=("HGMMA", "QGMMA", "UTMALDG"),
+         why="one CTA per row: online states in registers, merged by warp shuffles and shared memory"),
     # the router: one warp per row in registers, warp shuffles; no GEMM, no TMA
     Rule("moe_route__*__sm90a", "router", forbid=("HGMMA", "QGMMA"),
          why="a row per warp in registers; no matrix work"),

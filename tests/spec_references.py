@@ -45,3 +45,24 @@ def softmax_cross_entropy(logits: Tensor, target: Tensor, label_smoothing: float
 def logsumexp(x: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
     """log(sum_e exp(x[t, e])) per row."""
     return torch.logsumexp(x.to(dtype), dim=-1)
+
+
+E4M3_MAX = 448.0
+E4M3_MIN_SCALE = 1.0 / (448.0 * 512.0)  # vLLM's per-token floor: an all-zero row quantises to exact zeros
+
+
+def rms_norm_fp8_quant(x: Tensor, weight: Tensor, eps: float = 1e-6,
+                       dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
+    """y = x * rsqrt(mean_j x^2 + eps) * weight; scale[t] = max(max_j |y[t, j]| / 448, 1 / (448 * 512));
+    returns (y / scale clamped to [-448, 448], not rounded to e4m3, and scale), both in `dtype`."""
+    xd = x.to(dtype)
+    y = xd * torch.rsqrt(xd.square().mean(dim=-1, keepdim=True) + eps) * weight.to(dtype)
+    scale = (y.abs().amax(dim=-1) / E4M3_MAX).clamp(min=E4M3_MIN_SCALE)
+    return (y / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX), scale
+
+
+def softmax(x: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+    """exp(x - max) / sum(exp(x - max)) per row; a row of -inf gives zeros."""
+    xd = x.to(dtype)
+    p = torch.softmax(xd, dim=-1)
+    return torch.where(torch.isneginf(xd).all(dim=-1, keepdim=True), torch.zeros((), dtype=dtype), p)

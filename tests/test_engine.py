@@ -38,6 +38,8 @@ POISON = {
     "sigmoid_topk_bias": [("logits", "-inf some")],
     "absmax_quant_dot": [("x", "zero row")],
     "fp8_quant_gemm": [("x", "zero row")],
+    "rms_norm_fp8_quant": [("x", "zero row")],
+    "row_softmax": [("x", "-inf row"), ("x", "-inf some")],
     "causal_attention": [("lens", "zero row")],
     "mla_decode": [("cache_seqlens", "zero row")],
 }

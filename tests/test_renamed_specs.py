@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from generator.codegen.cpu import cpu_source
-from generator.codegen.cuda import TEMPLATES
+from generator.codegen.cuda import TEMPLATES, choose_template
 from generator.codegen.glue import glue_source
 from generator.spec import load_spec
 from generator.symbolic import derive
@@ -28,6 +28,9 @@ MAPPINGS = {
                   "scoring": "score_fn", "renormalize": "renorm", "bias": "ebias", "n_group": "ngroups",
                   "topk_group": "keep_groups", "routed_scaling_factor": "wscale", "weights": "w_out",
                   "ids": "id_out"},
+    "softmax_cross_entropy": {"softmax_cross_entropy": "ce_renamed", "T": "ntok", "V": "ncls", "logits": "scores",
+                              "target": "labels", "label_smoothing": "smooth", "ignore_index": "skip_label",
+                              "loss": "nll"},
 }
 
 
@@ -80,8 +83,8 @@ def test_same_cpu_kernels_and_glue(pair):
 
 
 def _cuda(spec, op):
-    plan_fn, body_fn = TEMPLATES[spec.variants.cuda.template]
-    plan = plan_fn(spec, op, list(spec.variants.cuda.families))
+    name, plan, _ = choose_template(spec, op, list(spec.variants.cuda.families))  # named, or the first accepting
+    body_fn = TEMPLATES[name][1]
     # launchers as if lowered: every parameter a template's program declares, bound by name
     lowered = {j.symbol: {"params": _launcher_params(j.program), "family": j.family} for j in plan.jobs}
     return {j.symbol: j.program for j in plan.jobs}, body_fn(spec, plan, lowered)

@@ -11,18 +11,13 @@ moe_route contract, including ties, NaN/inf rows, grouped selection and odd expe
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import functools
-import importlib.util
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pytest
+from tl_c_sim import compile_c_program
 
 from generator.codegen.templates import resident_row as rr
 from generator.codegen.templates.resident_row import (
@@ -281,20 +276,6 @@ def test_layout_is_a_bijection():
 # --------------------------------------------------------------------------------------------
 
 
-def _cxx() -> str | None:
-    for c in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if c and shutil.which(c):
-            return shutil.which(c)
-    return None
-
-
-def _load_module(path: str, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def signed_topk_program() -> StepProgram:
     """A second, op-free program: top-k of raw signed values, minus the row minimum."""
     return StepProgram(
@@ -333,41 +314,10 @@ PROGRAMS = {"moe_route": moe_route_program, "moe_route_engine": engine_moe_route
 def build_sim(dtype: str, e_cap: int, k_max: int = 32, g_max: int = 32, program: str = "moe_route",
               warp_argmax: str = "shfl64"):
     """Emit, lower (TileLang "c"), compile and load the CPU simulation of one variant."""
-    tilelang = pytest.importorskip("tilelang")
-    from tilelang import tvm
-    from tilelang.jit.adapter.wrapper import TLWrapper
-
-    cxx = _cxx()
-    if cxx is None:
-        pytest.skip("no C++ compiler")
     v = RowVariant(dtype, e_cap, k_max=k_max, g_max=g_max, warp_argmax=warp_argmax)
     symbol = "sim_" + v.variant_name(program)
     text = rr.emit_resident_row_program(PROGRAMS[program](), v, symbol=symbol, backend="cpu_sim")
-    d = tempfile.mkdtemp(prefix="rr_sim_")
-    atexit.register(shutil.rmtree, d, True)
-    py = os.path.join(d, f"{symbol}.py")
-    with open(py, "w") as f:
-        f.write(text)
-    mod = _load_module(py, symbol)
-    func = mod.make_prim_func()
-    target = {"kind": "c"}
-    with tvm.target.Target(target):
-        art = tilelang.lower(func, target=target)
-        w = TLWrapper(tvm.target.Target(target))
-        w.assign_optimized_module(tvm.IRModule({symbol: func}))
-        w.assign_pass_configs({})
-        w.assign_host_module(art.host_mod)
-        w.assign_device_module(art.device_mod)
-        code = w.wrap(art.kernel_source)
-    cpp = os.path.join(d, f"{symbol}.cpp")
-    so = os.path.join(d, f"{symbol}.so")
-    with open(cpp, "w") as f:
-        f.write(code)
-    inc = os.path.join(os.path.dirname(tilelang.__file__), "src")
-    # no fast-math: the simulation must keep NaN/inf semantics
-    subprocess.run([cxx, "-O1", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{inc}", cpp, "-o", so], check=True)
-    lib = ctypes.CDLL(so)
-    lib.call.restype = ctypes.c_int32
+    lib, mod = compile_c_program(text, symbol)
     return lib, mod, text
 
 

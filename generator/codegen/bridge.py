@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import sympy as sp
 
+from .tl_print import TLPrinter
+
 
 class BridgeError(ValueError):
     """The cascade does not have the shape a template schedules."""
@@ -124,3 +126,14 @@ def merge_terms(states, st: dict, guards: dict, base: dict, make_printer) -> tup
         e = seg * f.correction if f.kind == "*" else seg + f.correction
         terms.append((f.name, make_printer({**names, seg: f"{f.name}_seg"})(e)))
     return names, terms
+
+
+class RolePrinter(TLPrinter):
+    """sympy orders the sides of an equality by the spec's names: print them in the kernel's names' order, so that
+    the kernel does not depend on what the spec calls its axes and arguments."""
+
+    def p(self, e):
+        if isinstance(e, (sp.Eq, sp.Ne)):
+            a, b = sorted((self.p(e.lhs), self.p(e.rhs)))
+            return f"({a} {'==' if isinstance(e, sp.Eq) else '!='} {b})"
+        return super().p(e)

@@ -26,7 +26,7 @@ from ..symbolic.forms import OpAnalysis
 from .bridge import BridgeError, Job, Plan, launch_call, py_to_cpp
 from .files import write_if_changed
 from .glue import CudaGlue
-from .templates import paged_attention_bridge, quant_gemm_bridge
+from .templates import paged_attention_bridge, quant_gemm_bridge, stream_row_bridge
 from .templates.resident_row_bridge import row_body, row_plan, row_program
 from .templates.stream_attention_bridge import (
     attention_body,
@@ -120,7 +120,8 @@ def _variant_object(symbol: str, op: str, family: str) -> str:
 # --------------------------------------------------------------------------------------------- entry point
 TEMPLATES = {"stream_attention": (attention_plan, attention_body), "resident_row": (row_plan, row_body),
              "paged_attention": (paged_attention_bridge.paged_plan, paged_attention_bridge.paged_body),
-             "quant_gemm": (quant_gemm_bridge.quant_plan, quant_gemm_bridge.quant_body)}
+             "quant_gemm": (quant_gemm_bridge.quant_plan, quant_gemm_bridge.quant_body),
+             "stream_row": (stream_row_bridge.stream_plan, stream_row_bridge.stream_body)}
 
 
 def choose_template(spec: OpSpec, op: OpAnalysis, families: list[str]) -> tuple[str | None, Plan | None, dict]:

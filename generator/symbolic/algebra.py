@@ -386,7 +386,9 @@ def other_singular_points(H: sp.Expr, dep: sp.Symbol, known: list[sp.Expr], kind
             return None
         if not isinstance(sols, list):
             return None
-        found += [x for x in sols if x.is_real is not False and x not in known]
+        # a root outside the state's range is never reached (ss = -N*eps for a sum of squares, eps > 0)
+        below = bool(dep.is_nonnegative or dep.is_extended_nonnegative)
+        found += [x for x in sols if x.is_real is not False and x not in known and not (below and x.is_negative)]
     return found
 
 

@@ -601,10 +601,10 @@ class _Analyzer:
     def _undefined_there(self, r: Reduction, d: str, b: sp.Expr, atoms: list[sp.Basic], point: sp.Expr,
                          probes: list[tuple[float, float]]) -> bool:
         """d reaches an infinite point through one element and stays there (a max at +oo, a min at -oo, a sum at
-        +-oo or nan). When r is a sum and that element's own term is nan at d = point, r is nan in the plain math
-        on every such row: the result there is undefined, and nothing the online form computes can differ from a
-        defined value."""
-        if r.op != "sum" or len(atoms) != 1:
+        +-oo or nan). When r is a sum, max or min (each propagates nan) and that element's own term is nan at
+        d = point, r is nan in the plain math on every such row: the result there is undefined, and nothing the
+        online form computes can differ from a defined value."""
+        if r.op not in ("sum", "max", "min") or len(atoms) != 1:
             return False
         a = atoms[0]
         sols = _solutions(b, a, point) or []
@@ -686,7 +686,8 @@ class _Analyzer:
         guarded = value
         if scalar_states:
             at_empty = {s: float(MONOIDS[ir.reduction(s.name).op].neutral) for s in scalar_states}
-            probe = value.xreplace({a: sp.Rational(37, 100) for a in element_atoms(ir, value)})
+            # casts are value-preserving for this question (is the value defined at an empty row?)
+            probe = strip_casts(value).xreplace({a: sp.Rational(37, 100) for a in element_atoms(ir, value)})
             v = _numeric_at(probe, at_empty)
             _, den = sp.fraction(sp.together(probe))
             divides_by_zero = bool(den.free_symbols & set(scalar_states)) and _numeric_at(den, at_empty) == 0

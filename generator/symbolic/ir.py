@@ -161,6 +161,33 @@ def _peek_call(text: str) -> tuple[str | None, tuple[str, ...]]:
     return node.func.id, carry
 
 
+def _check_signs(spec: OpSpec) -> dict[str, dict[str, bool]]:
+    """Signs of float arguments that the spec's checks guarantee (`eps > 0`, `beta >= 0`, also inside an `and`):
+    the checks run before any kernel, so the proofs may assume them (a positive eps keeps rsqrt(ss + eps) finite)."""
+    out: dict[str, dict[str, bool]] = {}
+    for ch in spec.checks:
+        try:
+            node = ast.parse(ch.expr, mode="eval").body
+        except SyntaxError:
+            continue
+        parts = node.values if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.And) else [node]
+        for part in parts:
+            if not (isinstance(part, ast.Compare) and len(part.ops) == 1):
+                continue
+            lhs, op, rhs = part.left, part.ops[0], part.comparators[0]
+            if isinstance(lhs, ast.Constant) and isinstance(rhs, ast.Name):  # 0 < eps  ->  eps > 0
+                lhs, rhs = rhs, lhs
+                op = {ast.Lt: ast.Gt(), ast.LtE: ast.GtE()}.get(type(op), op)
+            if not (isinstance(lhs, ast.Name) and isinstance(rhs, ast.Constant) and rhs.value == 0
+                    and not isinstance(rhs.value, bool)):
+                continue
+            if isinstance(op, ast.Gt):
+                out[lhs.id] = {"positive": True}
+            elif isinstance(op, ast.GtE):
+                out.setdefault(lhs.id, {"nonnegative": True})
+    return out
+
+
 class _Builder:
     def __init__(self, spec: OpSpec, special: tuple[tuple[str, Any], ...]):
         self.spec = spec
@@ -177,7 +204,8 @@ class _Builder:
             elif a.type == "int":
                 self.scalars[a.name] = sp.Symbol(a.name, integer=True)
             elif a.type == "float":
-                self.scalars[a.name] = sp.Symbol(a.name, real=True)
+                sign = _check_signs(spec).get(a.name, {}) if not a.optional else {}
+                self.scalars[a.name] = sp.Symbol(a.name, real=True, **sign)
                 if a.optional:
                     nullable.add(a.name)
         self.tensors: dict[str, sp.IndexedBase] = {}
@@ -366,6 +394,7 @@ class _Builder:
                     raise SpecError(o.loc, f"output index '{i}' is not declared under cascade.indices")
             value = self._parse_output(o.value, o.loc)
             empty = self._parse_output(o.empty, o.loc) if o.empty is not None else None
+            self._check_output_index(o, value, empty)
             outputs.append(OutputDef(o.name, value, empty, o.index, o.loc))
         needed = self._live(outputs)
         return CascadeIR(
@@ -391,6 +420,26 @@ class _Builder:
             passes=c.passes,
             checks=tuple(self._check(ch) for ch in self.spec.checks),
         )
+
+    def _check_output_index(self, o: Any, value: Any, empty: Any) -> None:
+        """Each output dimension runs over its index's extent, and the value reads no index the output does not
+        name: an output indexed by the streamed axis (`index: [t, j]`) is written per element in a final pass
+        over the row; one that reads x[t, j] without naming j has no meaning (reduce over j instead)."""
+        c = self.spec.cascade
+        for dim, i in zip(o.shape, o.index):
+            size = sp.Integer(int(dim)) if dim.isdigit() else self.axes.get(dim, self.scalars.get(dim))
+            ext = self.extents[i]
+            if size is not None and sp.simplify(size - ext) != 0:
+                raise SpecError(o.loc, f"output '{o.name}': the dimension {dim} is indexed by '{i}', which runs "
+                                f"over {ext}")
+        if len(set(o.index)) != len(o.index):
+            raise SpecError(o.loc, f"output '{o.name}' names an index twice: {list(o.index)}")
+        extra = sorted((self.index_deps(value) | self.index_deps(empty)) - set(o.index))
+        if extra:
+            hint = (f" (name '{c.over}' in its index to write one value per element of the row, after the "
+                    f"reductions; or reduce over it)" if c.over in extra else "")
+            raise SpecError(o.loc, f"output '{o.name}' = {o.value} reads index {', '.join(repr(e) for e in extra)}, "
+                            f"which its index {list(o.index)} does not name{hint}")
 
     def _check(self, ch: Any) -> Any:
         scope = Scope(values={**self.axes, **self.scalars}, flags=self.scope.flags)

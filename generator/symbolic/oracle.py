@@ -211,7 +211,14 @@ def adversarial_problem(ir: CascadeIR, rng: random.Random, max_size: int = 7) ->
                 flat[i] = rng.choice((-1000.0, -800.0, 800.0, 1000.0, 710.0, -745.5))
     for n, s in ir.scalars.items():
         if not s.is_integer and rng.random() < 0.5:
-            prob.scalars[n] = rng.choice((-1.0, -0.5, 0.0, 1.0, 2.0, -3.0))
+            value = rng.choice((-1.0, -0.5, 0.0, 1.0, 2.0, -3.0))
+            env = {ir.axes[k]: sp.Integer(v) for k, v in prob.sizes.items()}
+            env.update({ir.scalars[k]: sp.Float(value) if k == n else (sp.Integer(v) if isinstance(v, int)
+                        else sp.Float(v)) for k, v in prob.scalars.items()})
+            # never a value the op's checks refuse: `eps > 0` made eps a positive symbol (and its check trivial)
+            signed = (s.is_positive and value <= 0) or (s.is_nonnegative and value < 0)
+            if not signed and all(bool(c.xreplace(env)) for c in ir.checks):
+                prob.scalars[n] = value
     return prob
 
 

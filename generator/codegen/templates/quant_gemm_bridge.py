@@ -24,6 +24,7 @@ from ...spec import OpSpec
 from ...symbolic.expr import Cast
 from ...symbolic.forms import Analysis, OpAnalysis
 from ..bridge import BridgeError, Job, Plan, launch_call, merge_terms
+from ..bridge import RolePrinter as _RolePrinter
 from ..glue import SCALAR_TYPES
 from ..tl_print import TLPrinter
 from . import quant_gemm as qg
@@ -42,17 +43,6 @@ class Roles:
     depth: str
     out: str  # the output
     vectors: tuple[tuple[str, str], ...]  # (tensor, axis of its length)
-
-
-class _RolePrinter(TLPrinter):
-    """sympy orders the sides of an equality by the spec's names: print them in the kernel's names' order, so that
-    the kernel does not depend on what the spec calls its axes."""
-
-    def p(self, e):
-        if isinstance(e, (sp.Eq, sp.Ne)):
-            a, b = sorted((self.p(e.lhs), self.p(e.rhs)))
-            return f"({a} {'==' if isinstance(e, sp.Eq) else '!='} {b})"
-        return super().p(e)
 
 
 def _one(items: list, what: str, where: str):

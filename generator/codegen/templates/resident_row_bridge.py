@@ -242,7 +242,7 @@ def row_program(spec: OpSpec, op: OpAnalysis):
     for o in spec.outputs:
         if len(o.shape) != 2:
             raise BridgeError(f"{spec.name}: resident_row writes (rows, k) outputs; {o.name} has shape "
-                              f"({', '.join(o.shape)}) (a long-row template for per-row results is not written yet)")
+                              f"({', '.join(o.shape)}) (per-row results: the stream_row template)")
     flags = [n for n, _ in op.cases[0].ir.specialization]
     per_case = {tuple(v for _, v in a.ir.specialization): _RowBridge(spec, a).build() for a in op.cases}
 

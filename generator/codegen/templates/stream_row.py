@@ -1,0 +1,495 @@
+"""The streaming row template: per-row results of a one-pass cascade over rows of any length.
+
+One CTA of ``THREADS`` threads per row. The row is streamed in chunks of ``THREADS * PER_THREAD`` elements; each
+thread loads its ``PER_THREAD`` elements of a chunk with 16-byte vector loads (when the row stride and the base
+pointer allow it, else element by element), widens them to float32 and updates its own copy of the row states by
+the engine's *online form*: per state, in order, the chunk's reduction of the state's term (read with the states
+already updated in this chunk, through their guards), then ``state = op(correct(state_old), chunk)``. The last,
+partial chunk contributes the monoid's neutral value for elements past the row's end, so no term needs a mask
+value. The threads' states are then combined by the engine's *merge form*: a butterfly of warp shuffles (5 rounds),
+one slot per warp in shared memory, and thread 0 merges the warps' states in order and writes every output.
+
+What the kernel computes comes from a :class:`RowMath` (made by stream_row_bridge.py from the engine's forms); its
+texts use the template's canonical names:
+
+* ``s<i>`` state i (the new value inside an update), ``s<i>_old`` its value before the chunk, ``s<i>_safe`` its
+  guard, ``s<i>_seg`` a segment's value inside a merge term;
+* ``x`` the element (float32), ``e`` its index in the row (int64), ``L`` the row length (int32);
+* ``r<k>`` the row's value of the k-th per-row index tensor (int64), ``ip<k>`` / ``fp<k>`` int64 / float32
+  parameters.
+
+Backends
+--------
+``backend="cuda"`` is the kernel. ``backend="cpu_sim"`` emits the same schedule for TileLang's ``"c"`` target with
+the threads made explicit: per-thread values get a leading thread axis, each per-thread block runs inside
+``for tid in T.serial(THREADS)``, a shuffle reads another thread's copy and the shared slots are a plain array.
+Chunking, element order, masking of the tail, the order of every merge and the output code are emitted by the same
+code path, so the simulation checks the schedule and the engine's math (not nvcc or the hardware). bfloat16 rows
+are passed as raw uint16 there (the C backend has no bfloat16) and widened by a shift.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+from dataclasses import dataclass
+
+from .resident_row import _Rename, _Src
+
+TEMPLATE_VERSION = "stream_row/1"
+FAMILIES = ("sm80", "sm90a", "sm100a")
+DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
+OPS = ("max", "min", "sum")
+_ARCH = {"sm80": "sm_80", "sm90a": "sm_90a", "sm100a": "sm_100a"}
+INF = "T.infinity('float32')"
+MERGE_ROWS = 128  # rows per CTA of the merge program
+
+__all__ = ["DTYPES", "FAMILIES", "SPLIT_CPP", "TEMPLATE_VERSION", "RowMath", "State", "StreamVariant",
+           "emit_stream_row_merge", "emit_stream_row_program", "split_plan"]
+
+
+@dataclass(frozen=True)
+class State:
+    """One row state: ``s = op(correct(s_old), op_{x in chunk} term)``; ``correction`` None: no correction,
+    ``kind`` "mul" (``s_old * correction``) or "add" (``s_old + correction``); ``guard``: ``s<i>_safe`` from ``s<i>``
+    (None: the state needs none)."""
+
+    op: str
+    term: str
+    correction: str | None = None
+    kind: str = "mul"
+    guard: str | None = None
+
+
+@dataclass(frozen=True)
+class RowMath:
+    states: tuple[State, ...]
+    merge: tuple[str, ...]  # per state: a segment's value (``s<i>_seg``) corrected to the merged states
+    outputs: tuple[str, ...]  # per output (float32): its value over the final states
+    n_index: int = 0  # per-row int64 index tensors r0..
+    n_iparams: int = 0
+    n_fparams: int = 0
+
+
+@dataclass(frozen=True)
+class StreamVariant:
+    dtype: str
+    family: str = "sm90a"
+    threads: int = 256
+    per_thread: int = 16  # elements of a chunk per thread (a multiple of the vector width)
+
+    @property
+    def vec(self) -> int:
+        return 16 // DTYPES[self.dtype]
+
+    @property
+    def chunk(self) -> int:
+        return self.threads * self.per_thread
+
+    @property
+    def warps(self) -> int:
+        return self.threads // 32
+
+    def check(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"stream_row: dtype {self.dtype} not in {sorted(DTYPES)}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"stream_row: family {self.family} not in {FAMILIES}")
+        if self.threads % 32 or not 32 <= self.threads <= 1024:
+            raise ValueError("stream_row: threads must be a multiple of 32 in [32, 1024]")
+        if self.per_thread % self.vec:
+            raise ValueError(f"stream_row: per_thread must be a multiple of the vector width {self.vec}")
+
+    def variant_name(self, op: str) -> str:
+        short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[self.dtype]
+        return f"{op}__{short}_t{self.threads}__{self.family}"
+
+    def merge_name(self, op: str) -> str:
+        """The merge program of split rows (one per family: it reads float32 states only)."""
+        return f"{op}_merge__rows__{self.family}"
+
+
+def split_plan(rows: int, length: int, sms: int, chunk: int) -> tuple[int, int]:
+    """(n_split, full chunks per segment): a row is split across CTAs only when the rows alone would leave SMs idle
+    (fewer than 2 CTAs per SM) and it has at least 4 full chunks; every segment gets 2 full chunks or more and none
+    is empty. ``SPLIT_CPP`` is the same function for the op's impl_cuda."""
+    n_full = length // chunk
+    ns = 1
+    if rows < 2 * sms and n_full >= 4:
+        ns = min((2 * sms + rows - 1) // rows, n_full // 2)
+    cps = max(1, (n_full + ns - 1) // ns)
+    ns = max(1, (n_full + cps - 1) // cps) if n_full else 1
+    return ns, cps
+
+
+SPLIT_CPP = """\
+// stream_row: segments per row and full chunks per segment (generator/codegen/templates/stream_row.py split_plan)
+static inline void stream_row_split_plan(int64_t rows, int64_t length, int64_t sms, int64_t chunk, int64_t& ns,
+                                         int64_t& cps) {
+  const int64_t n_full = length / chunk;
+  ns = 1;
+  if (rows < 2 * sms && n_full >= 4) ns = std::min((2 * sms + rows - 1) / rows, n_full / 2);
+  cps = std::max<int64_t>(1, (n_full + ns - 1) / ns);
+  ns = n_full ? std::max<int64_t>(1, (n_full + cps - 1) / cps) : 1;
+}"""
+
+
+def check_math(m: RowMath) -> None:
+    if not m.states:
+        raise ValueError("stream_row: no row state")
+    for i, s in enumerate(m.states):
+        if s.op not in OPS:
+            raise ValueError(f"stream_row: state s{i}: op {s.op} not in {OPS}")
+        if s.kind not in ("mul", "add"):
+            raise ValueError(f"stream_row: state s{i}: kind {s.kind}")
+    if len(m.merge) != len(m.states):
+        raise ValueError("stream_row: one merge term per state")
+    for text in [s.term for s in m.states] + [s.correction or "0" for s in m.states] + list(m.merge) + list(m.outputs):
+        ast.parse(text, mode="eval")
+
+
+def _neutral(op: str) -> str:
+    return {"max": f"-{INF}", "min": INF, "sum": "T.float32(0.0)"}[op]
+
+
+def _combine(op: str, a: str, b: str) -> str:
+    return {"max": f"T.max({a}, {b})", "min": f"T.min({a}, {b})", "sum": f"({a} + {b})"}[op]
+
+
+def _rename(text: str, mapping: dict[str, str]) -> str:
+    return "(" + ast.unparse(_Rename(mapping).visit(ast.parse(text, mode="eval"))) + ")"
+
+
+class _Emitter:
+    def __init__(self, math: RowMath, v: StreamVariant, backend: str):
+        if backend not in ("cuda", "cpu_sim"):
+            raise ValueError(f"backend must be 'cuda' or 'cpu_sim', got {backend!r}")
+        v.check()
+        check_math(math)
+        self.m, self.v = math, v
+        self.sim = backend == "cpu_sim"
+        self.src = _Src()
+        self.src.depth = 3
+        self.decls: dict[str, tuple[str, int | None]] = {}
+        self.n = len(math.states)
+
+    # ---- storage ----------------------------------------------------------------------------------
+    def decl(self, name: str, dtype: str, n: int | None = None) -> str:
+        self.decls[name] = (dtype, n)
+        return name
+
+    def t(self, name: str) -> str:
+        """A per-thread scalar."""
+        return f"{name}[tid]" if self.sim else name
+
+    def ta(self, name: str, idx: str) -> str:
+        """A per-thread array element."""
+        return f"{name}[tid, {idx}]" if self.sim else f"{name}[{idx}]"
+
+    @contextlib.contextmanager
+    def threads(self, n: int | None = None):
+        """Per-thread code: all threads (sim: a loop over them)."""
+        if self.sim:
+            with self.src.block(f"for tid in T.serial({n or self.v.threads})"):
+                yield
+        else:
+            yield
+
+    def loop(self, var: str, n: int | str, kind: str = "unroll") -> str:
+        return f"for {var} in T.{'serial' if self.sim else kind}({n})"
+
+    # ---- names of the math's texts ------------------------------------------------------------------
+    def base_names(self) -> dict[str, str]:
+        names = {"L": "L"}
+        for k in range(self.m.n_index):
+            names[f"r{k}"] = self.t(f"i_r{k}")
+        for k in range(self.m.n_iparams):
+            names[f"ip{k}"] = f"ip{k}"
+        for k in range(self.m.n_fparams):
+            names[f"fp{k}"] = f"fp{k}"
+        return names
+
+    def state_names(self, prefix: str = "") -> dict[str, str]:
+        out = {}
+        for i in range(self.n):
+            out[f"s{i}"] = self.t(f"{prefix}s{i}")
+            out[f"s{i}_safe"] = self.t(f"{prefix}s{i}_safe")
+        return out
+
+    def declare_states(self, prefix: str) -> None:
+        for i in range(self.n):
+            self.decl(f"{prefix}s{i}", "float32")
+            self.decl(f"{prefix}s{i}_safe", "float32")
+
+    def guards(self, prefix: str = "") -> None:
+        names = {**self.base_names(), **self.state_names(prefix)}
+        for i, s in enumerate(self.m.states):
+            safe = _rename(s.guard, names) if s.guard else self.t(f"{prefix}s{i}")
+            self.src(f"{self.t(f'{prefix}s{i}_safe')} = {safe}")
+
+    # ---- the streamed part ---------------------------------------------------------------------------
+    def widen(self, x: str) -> str:
+        if self.v.dtype == "float32":
+            return x
+        if self.v.dtype == "bfloat16" and self.sim:
+            return f"T.reinterpret(T.cast({x}, \"uint32\") << T.uint32(16), \"float32\")"
+        return f"T.cast({x}, \"float32\")"
+
+    def elem_index(self, chunk: str, k: str) -> str:
+        V, NT = self.v.vec, self.v.threads
+        return f"{chunk} * {self.v.chunk} + ({k} // {V}) * {NT * V} + tid * {V} + {k} % {V}"
+
+    def load_chunk(self, chunk: str, vector: bool) -> None:
+        """The thread's PER_THREAD elements of a full chunk into ``i_raw``."""
+        V, NT = self.v.vec, self.v.threads
+        with self.src.block(self.loop("i_u", self.v.per_thread // V)):
+            self.src(f"i_e0 = {chunk} * {self.v.chunk} + i_u * {NT * V} + tid * {V}")
+            kind = "vectorized" if vector else "unroll"
+            with self.src.block(self.loop("i_v", V, kind)):
+                self.src(f"{self.ta('i_raw', 'i_u * ' + str(V) + ' + i_v')} = X[i_row, i_e0 + i_v]")
+
+    def update(self, chunk: str, tail: bool) -> None:
+        """The engine's online form over the thread's elements of one chunk."""
+        P = self.v.per_thread
+        base = self.base_names()
+        for i in range(self.n):
+            self.src(f"{self.t(f's{i}_old')} = {self.t(f's{i}')}")
+        for i, s in enumerate(self.m.states):
+            acc = self.t("i_c")
+            self.src(f"{acc} = {_neutral(s.op)}")
+            with self.src.block(self.loop("i_k", P)):
+                self.src(f"i_e = {self.elem_index(chunk, 'i_k')}")
+                names = {**base, **self.state_names(), "x": self.widen(self.ta("i_raw", "i_k")),
+                         "e": "T.cast(i_e, \"int64\")"}
+                term = _rename(s.term, names)
+                if tail:
+                    term = f"T.if_then_else(i_e < L, {term}, {_neutral(s.op)})"
+                self.src(f"{acc} = {_combine(s.op, acc, term)}")
+            old = self.t(f"s{i}_old")
+            if s.correction is not None:
+                names = {**base, **self.state_names(), **{f"s{j}_old": self.t(f"s{j}_old") for j in range(self.n)}}
+                c = _rename(s.correction, names)
+                old = f"({old} * {c})" if s.kind == "mul" else f"({old} + {c})"
+            self.src(f"{self.t(f's{i}')} = {_combine(s.op, old, acc)}")
+            if s.guard:
+                g = _rename(s.guard, {**base, **self.state_names()})
+                self.src(f"{self.t(f's{i}_safe')} = {g}")
+            else:
+                self.src(f"{self.t(f's{i}_safe')} = {self.t(f's{i}')}")
+
+    def full_chunks(self, vector: bool) -> None:
+        """This segment's full chunks [c_lo, c_hi) (one segment: all of them)."""
+        with self.threads(), self.src.block(self.loop("i_cs", "c_hi - c_lo", "serial")):
+            self.src("i_ch = c_lo + i_cs")
+            self.load_chunk("i_ch", vector)
+            self.update("i_ch", tail=False)
+
+    def stream(self) -> None:
+        V = self.v.vec
+        with self.threads():
+            for i, s in enumerate(self.m.states):
+                self.src(f"{self.t(f's{i}')} = {_neutral(s.op)}")
+            self.guards()
+            for k in range(self.m.n_index):
+                self.src(f"{self.t(f'i_r{k}')} = R{k}[i_row]")
+        self.src(f"n_full = L // {self.v.chunk}")
+        # segment i_seg of n_split takes chunks [c_lo, c_hi) (cps per segment, from the host) and the last one the
+        # tail; a segment past the row's end keeps the neutral states
+        self.src("c_lo = T.min(i_seg * cps, n_full)")
+        self.src("c_hi = T.min(c_lo + cps, n_full)")
+        aligned = "T.reinterpret(T.address_of(X[0, 0]), \"uint64\") % T.uint64(16) == T.uint64(0)"
+        # the vector path: `ld % V == 0` is the whole condition of its own `if` (TileLang's vectorizer takes it
+        # as a fact only then); the base pointer's alignment is tested inside it
+        with self.src.block(f"if ld % {V} == 0"):
+            with self.src.block(f"if {aligned}"):
+                self.full_chunks(vector=True)
+            with self.src.block("else"):
+                self.full_chunks(vector=False)
+        with self.src.block("else"):
+            self.full_chunks(vector=False)
+        with self.src.block(f"if i_seg == n_split - 1 and n_full * {self.v.chunk} < L"), self.threads():
+            P = self.v.per_thread
+            with self.src.block(self.loop("i_k", P)):
+                self.src(f"i_e = {self.elem_index('n_full', 'i_k')}")
+                zero = "T.uint16(0)" if (self.sim and self.v.dtype == "bfloat16") else f"T.cast(0, \"{self.v.dtype}\")"
+                self.src(f"{self.ta('i_raw', 'i_k')} = T.if_then_else(i_e < L, X[i_row, i_e], {zero})")
+            self.update("n_full", tail=True)
+
+    # ---- the merge ------------------------------------------------------------------------------------
+    def merge_pair(self, mine: dict[str, str], other: dict[str, str]) -> None:
+        """``s<i>`` (this thread's) merged with the segment named by ``other``; the engine's merge form."""
+        base = self.base_names()
+        merged = {f"s{i}": self.t(f"n_s{i}") for i in range(self.n)}
+        merged.update({f"s{i}_safe": self.t(f"n_s{i}_safe") for i in range(self.n)})
+        for i, s in enumerate(self.m.states):
+            seg_a = {f"s{j}_seg": mine[f"s{j}"] for j in range(self.n)}
+            seg_b = {f"s{j}_seg": other[f"s{j}"] for j in range(self.n)}
+            a = _rename(self.m.merge[i], {**base, **merged, **seg_a})
+            b = _rename(self.m.merge[i], {**base, **merged, **seg_b})
+            self.src(f"{self.t(f'n_s{i}')} = {_combine(s.op, a, b)}")
+            g = _rename(s.guard, {**base, f"s{i}": self.t(f"n_s{i}")}) if s.guard else self.t(f"n_s{i}")
+            self.src(f"{self.t(f'n_s{i}_safe')} = {g}")
+        for i in range(self.n):
+            self.src(f"{self.t(f's{i}')} = {self.t(f'n_s{i}')}")
+            self.src(f"{self.t(f's{i}_safe')} = {self.t(f'n_s{i}_safe')}")
+
+    def butterfly(self) -> None:
+        mine = {f"s{i}": self.t(f"s{i}") for i in range(self.n)}
+        other = {f"s{i}": self.t(f"o_s{i}") for i in range(self.n)}
+        with self.src.block(self.loop("i_bf", 5)):
+            with self.threads():
+                for i in range(self.n):
+                    src = f"s{i}[tid ^ (16 >> i_bf)]" if self.sim else f"T.shfl_xor(s{i}, 16 >> i_bf)"
+                    self.src(f"{self.t(f'o_s{i}')} = {src}")
+            with self.threads():
+                self.merge_pair(mine, other)
+
+    def across_warps(self) -> None:
+        W = self.v.warps
+        with self.threads(), self.src.block("if tid % 32 == 0"):
+            for i in range(self.n):
+                self.src(f"sh[{i}, tid // 32] = {self.t(f's{i}')}")
+        if not self.sim:
+            self.src("T.sync_threads()")
+        # thread 0 merges the warps' states in warp order, then writes the outputs
+        with self.threads(1), self.src.block("if tid == 0"):
+            if W > 1:
+                mine = {f"s{i}": self.t(f"s{i}") for i in range(self.n)}
+                other = {f"s{i}": f"sh[{i}, i_w]" for i in range(self.n)}
+                with self.src.block(self.loop("i_w", f"1, {W}", "serial")):
+                    self.merge_pair(mine, other)
+            with self.src.block("if n_split == 1"):
+                self.outputs()
+            with self.src.block("else"):  # a segment of a split row: its states, for the merge program
+                for i in range(self.n):
+                    self.src(f"WS[{i}, i_row, i_seg] = {self.t(f's{i}')}")
+
+    def outputs(self) -> None:
+        names = {**self.base_names(), **self.state_names()}
+        for k, text in enumerate(self.m.outputs):
+            self.src(f"O{k}[i_row] = {_rename(text, names)}")
+
+    def merge_segments(self) -> None:
+        """The merge program's row: the segments' states merged in order, then the outputs."""
+        with self.threads(1):
+            for k in range(self.m.n_index):
+                self.src(f"{self.t(f'i_r{k}')} = R{k}[i_row]")
+            for i in range(self.n):
+                self.src(f"{self.t(f's{i}')} = WS[{i}, i_row, 0]")
+            self.guards()
+            mine = {f"s{i}": self.t(f"s{i}") for i in range(self.n)}
+            other = {f"s{i}": f"WS[{i}, i_row, i_p]" for i in range(self.n)}
+            with self.src.block(self.loop("i_p", "1, n_split", "serial")):
+                self.merge_pair(mine, other)
+            self.outputs()
+
+    # ---- the whole program --------------------------------------------------------------------------
+    def emit(self, symbol: str, merge: bool = False) -> str:
+        m, v = self.m, self.v
+        self.declare_states("")
+        self.declare_states("n_")
+        for i in range(self.n):
+            self.decl(f"s{i}_old", "float32")
+            self.decl(f"o_s{i}", "float32")
+        self.decl("i_c", "float32")
+        raw_dt = "uint16" if (self.sim and v.dtype == "bfloat16") else v.dtype
+        self.decl("i_raw", raw_dt, v.per_thread)
+        for k in range(m.n_index):
+            self.decl(f"i_r{k}", "int64")
+        if merge:
+            with self.src.block("if i_row < n_rows"):
+                self.merge_segments()
+        else:
+            self.stream()
+            self.butterfly()
+            self.across_warps()
+        body = self.src.lines
+
+        params = [] if merge else [f"X: T.Tensor((n_rows, ld), \"{raw_dt}\")"]
+        params += [f"R{k}: T.Tensor((n_rows,), \"int64\")" for k in range(m.n_index)]
+        params += [f"O{k}: T.Tensor((n_rows,), \"float32\")" for k in range(len(m.outputs))]
+        params += [f"WS: T.Tensor(({self.n}, n_rows, n_split), \"float32\")"]
+        params += ["L: T.int32"] + ([] if merge else ["cps: T.int32"])
+        params += [f"ip{k}: T.int64" for k in range(m.n_iparams)]
+        params += [f"fp{k}: T.float32" for k in range(m.n_fparams)]
+        backend = "cpu_sim" if self.sim else "cuda"
+        out = _Src()
+        out(f"# Generated by redfuser-ops {TEMPLATE_VERSION} from generator/codegen/templates/stream_row.py; do not edit.")
+        out(f"# variant: dtype={v.dtype} family={v.family} threads={v.threads} per_thread={v.per_thread} "
+            f"vec={v.vec} backend={backend}")
+        out("import tilelang.language as T")
+        out("")
+        out(f"KERNEL_SYMBOL = {symbol!r}")
+        out(f"BACKEND = {backend!r}")
+        out(f"TARGET_ARCH = {(_ARCH[v.family] if not self.sim else 'c')!r}")
+        out(f"THREADS = {v.threads if not self.sim else 1}")
+        dims = "n_rows, n_split" if merge else "n_rows, ld, n_split"
+        out(f"PARAM_ORDER = {tuple(p.split(':')[0] for p in params)!r}  # then {dims}, then the stream")
+        out("PASS_CONFIGS = {}")
+        out("")
+        out("")
+        out("def make_prim_func():")
+        out.depth = 1
+        out(f"{dims} = T.dynamic(\"{dims}\")")
+        out("")
+        out("@T.prim_func")
+        out(f"def {symbol}(")
+        for p in params:
+            out(f"    {p},")
+        out("):")
+        out.depth = 2
+        if merge:  # a thread per row
+            if self.sim:
+                out("with T.Kernel(n_rows, threads=1) as bx:")
+                out.depth = 3
+                out("i_row = bx")
+            else:
+                out(f"with T.Kernel(T.ceildiv(n_rows, {MERGE_ROWS}), threads={MERGE_ROWS}) as bx:")
+                out.depth = 3
+                out(f"i_row = bx * {MERGE_ROWS} + T.get_thread_binding(0)")
+        else:  # a CTA per (segment, row)
+            out(f"with T.Kernel(n_rows, n_split, threads={1 if self.sim else v.threads}) as (bx, by):")
+            out.depth = 3
+            out("i_row = bx")
+            out("i_seg = by")
+            if not self.sim:
+                out("tid = T.get_thread_binding(0)")
+                out(f"sh = T.alloc_shared(({self.n}, {v.warps}), \"float32\")")
+            else:
+                out(f"sh = T.alloc_local(({self.n}, {v.warps}), \"float32\")")
+        for nm in sorted(self.decls):
+            dt, n = self.decls[nm]
+            if self.sim:
+                shape = f"({v.threads},)" if n is None else f"({v.threads}, {n})"
+                out(f"{nm} = T.alloc_local({shape}, \"{dt}\")")
+            elif n is None:
+                out(f"{nm} = T.alloc_var(\"{dt}\")")
+            else:
+                out(f"{nm} = T.alloc_local(({n},), \"{dt}\")")
+        out.lines += body
+        out.depth = 1
+        out("")
+        out(f"return {symbol}")
+        return "\n".join(out.lines) + "\n"
+
+
+def emit_stream_row_merge(math: RowMath, variant: StreamVariant, symbol: str, backend: str = "cuda") -> str:
+    """The merge program of split rows: a thread per row merges the n_split segments' states (WS) by the engine's
+    merge form, in segment order, and writes the outputs. Arguments: R<k>, O<k>, WS, L, the parameters; the
+    launcher appends n_rows and n_split, then the stream."""
+    if not symbol.isidentifier():
+        raise ValueError(f"symbol {symbol!r} is not an identifier")
+    return _Emitter(math, variant, backend).emit(symbol, merge=True)
+
+
+def emit_stream_row_program(math: RowMath, variant: StreamVariant, symbol: str, backend: str = "cuda") -> str:
+    """Python source (a module with ``make_prim_func()``) of one variant.
+
+    Kernel arguments in order: the row tensor X (n_rows, ld) (ld: the row stride, in elements), the per-row index
+    tensors R<k> (int64), the outputs O<k> (float32), the segments' states WS (states, n_rows, n_split), L (the row
+    length), cps (full chunks per segment), the int64 and float32 parameters; the launcher appends n_rows, ld and
+    n_split, then the stream. The grid is (n_rows, n_split): with n_split == 1 each CTA writes its row's outputs
+    (WS is not touched), else the states of its segment into WS for the merge program."""
+    if not symbol.isidentifier():
+        raise ValueError(f"symbol {symbol!r} is not an identifier")
+    return _Emitter(math, variant, backend).emit(symbol)
