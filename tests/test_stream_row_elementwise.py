@@ -36,7 +36,7 @@ LENGTHS = [1, 7, 113, 4095, 4096, 4097, 7168, 10000]
 @functools.cache
 def build(name: str, dtype: str):
     spec, op = engine(name)
-    math, roles = stream_math(spec, op)
+    math, _ = stream_math(spec, op)
     symbol = f"simf_{name}_{dtype}"
     lib, _ = compile_c_program(sr.emit_stream_row_program(math, sr.StreamVariant(dtype), symbol, backend="cpu_sim"),
                                symbol)

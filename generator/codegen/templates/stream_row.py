@@ -181,31 +181,37 @@ def _combine(op: str, a: str, b: str) -> str:
     return f"({a} + {b})"
 
 
-class _AbsAsSelect(ast.NodeTransformer):
-    """``T.abs(a)`` -> ``T.if_then_else(a < 0, -a, a)`` (TileLang's C target has no fabs; NaN stays NaN)."""
+class _Intrinsics(ast.NodeTransformer):
+    """``T.max`` / ``T.min`` of the math -> selects that propagate NaN (CUDA's fmaxf/fminf drop it; the engine's math
+    and the CPU kernels keep it); with ``sim``, ``T.abs(a)`` -> ``T.if_then_else(a < 0, -a, a)`` (TileLang's C
+    target has no fabs)."""
+
+    def __init__(self, sim: bool):
+        self.sim = sim
 
     def visit_Call(self, node: ast.Call) -> ast.AST:
         self.generic_visit(node)
         f = node.func
-        if isinstance(f, ast.Attribute) and f.attr == "abs" and isinstance(f.value, ast.Name) and f.value.id == "T":
-            a = node.args[0]
-            zero = ast.parse("T.float32(0.0)", mode="eval").body
-            test = ast.Compare(a, [ast.Lt()], [zero])
-            return ast.Call(ast.Attribute(ast.Name("T", ast.Load()), "if_then_else", ast.Load()),
-                            [test, ast.UnaryOp(ast.USub(), a), a], [])
+        if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "T"):
+            return node
+        if f.attr in ("max", "min") and len(node.args) == 2:
+            text = _combine(f.attr, ast.unparse(node.args[0]), ast.unparse(node.args[1]))
+            return ast.parse(text, mode="eval").body
+        if f.attr == "abs" and self.sim:
+            a = ast.unparse(node.args[0])
+            return ast.parse(f"T.if_then_else({a} < T.float32(0.0), -({a}), {a})", mode="eval").body
         return node
 
 
-def _sim_text(text: str) -> str:
-    return ast.unparse(_AbsAsSelect().visit(ast.parse(text, mode="eval")))
+def _backend_math(m: RowMath, sim: bool) -> RowMath:
+    """The math's texts with NaN-propagating max/min (and, for cpu_sim, the intrinsics the C target lacks)."""
 
+    def tx(text: str | None) -> str | None:
+        return text and ast.unparse(_Intrinsics(sim).visit(ast.parse(text, mode="eval")))
 
-def _sim_math(m: RowMath) -> RowMath:
-    """The math with the intrinsics TileLang's C target lacks spelled out (cpu_sim only)."""
-    states = tuple(State(s.op, _sim_text(s.term), s.correction and _sim_text(s.correction), s.kind,
-                         s.guard and _sim_text(s.guard)) for s in m.states)
-    return replace(m, states=states, merge=tuple(map(_sim_text, m.merge)), outputs=tuple(map(_sim_text, m.outputs)),
-                   elem_outputs=tuple((_sim_text(t), d) for t, d in m.elem_outputs))
+    states = tuple(State(s.op, tx(s.term), tx(s.correction), s.kind, tx(s.guard)) for s in m.states)
+    return replace(m, states=states, merge=tuple(map(tx, m.merge)), outputs=tuple(map(tx, m.outputs)),
+                   elem_outputs=tuple((tx(t), d) for t, d in m.elem_outputs))
 
 
 def _rename(text: str, mapping: dict[str, str]) -> str:
@@ -219,7 +225,7 @@ class _Emitter:
         v.check()
         check_math(math)
         self.sim = backend == "cpu_sim"
-        self.m, self.v = (_sim_math(math) if self.sim else math), v
+        self.m, self.v = _backend_math(math, self.sim), v
         self.src = _Src()
         self.src.depth = 3
         self.decls: dict[str, tuple[str, int | None]] = {}

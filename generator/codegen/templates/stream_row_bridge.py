@@ -279,7 +279,7 @@ def stream_body(spec: OpSpec, plan, lowered: dict[str, dict]) -> list[str]:
     for k, o in enumerate(r["outputs"]):
         args[f"O{k}"] = f"redfuser::batch_ptr(c.{o}, r0)"
     for k, _ in enumerate(r["cols"]):
-        args[f"C{k}"] = f"col{k}.const_data_ptr()"
+        args[f"C{k}"] = f"redfuser::batch_ptr(col{k}, 0)"
     for k, o in enumerate(r["elem_outputs"]):
         args[f"E{k}"] = f"redfuser::batch_ptr(c.{o}, r0)"
     if r["cols"] or r["elem_outputs"]:
@@ -292,7 +292,8 @@ def stream_body(spec: OpSpec, plan, lowered: dict[str, dict]) -> list[str]:
     if len(chunks) != 1:
         raise BridgeError(f"{spec.name}: stream_row variants differ in chunk size {sorted(chunks)}")
     L.insert(L.index("  bool launched = false;"), f"  const int64_t chunk = {chunks.pop()};")
-    L.insert(L.index("do {"), "const int64_t sms = redfuser::device_sm_count(kOp, ctx.device());")
+    if not r["elem_outputs"]:  # the split plan needs the SM count
+        L.insert(L.index("do {"), "const int64_t sms = redfuser::device_sm_count(kOp, ctx.device());")
     for fam, dt, sym, merge, _ in plan.entries:
         L += [
             f"  if (!launched && fam == \"{fam}\" && dt == {SCALAR_TYPES[dt]}) {{",
