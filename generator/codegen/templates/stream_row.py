@@ -173,11 +173,12 @@ def _neutral(op: str) -> str:
 
 
 def _combine(op: str, a: str, b: str) -> str:
-    """``a op b``; max and min propagate NaN (as the engine's math and the CPU kernels do; a bare T.max drops it)."""
-    if op == "max":
-        return f"T.if_then_else({a} < {b} or {b} != {b}, {b}, {a})"
-    if op == "min":
-        return f"T.if_then_else({b} < {a} or {b} != {b}, {b}, {a})"
+    """``a op b``; max and min propagate NaN (as the engine's math and the CPU kernels do; a bare T.max drops it).
+    NaN is tested on the bits: TVM's simplifier folds ``b != b`` to False."""
+    if op in ("max", "min"):
+        nan = f"T.reinterpret({b}, \"uint32\") & T.uint32(0x7FFFFFFF) > T.uint32(0x7F800000)"
+        less = f"{a} < {b}" if op == "max" else f"{b} < {a}"
+        return f"T.if_then_else({less} or {nan}, {b}, {a})"
     return f"({a} + {b})"
 
 
