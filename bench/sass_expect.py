@@ -66,6 +66,10 @@ RULES: tuple[Rule, ...] = (
          why="e4m3 x e4m3 on fp8 mma.sync (QMMA.16832)"),
     # long rows streamed by one CTA each (stream_row): vector loads, warp shuffles + shared memory for the merge;
     # no matrix work, no TMA (specs/logsumexp.yaml, specs/softmax_cross_entropy.yaml)
+    Rule("logsumexp_merge__*__sm90a", "merge", forbid=("HGMMA", "QGMMA", "UTMALDG"),
+         why="merge of split rows' segment states: a thread per row, plain loads"),
+    Rule("softmax_cross_entropy_merge__*__sm90a", "merge", forbid=("HGMMA", "QGMMA", "UTMALDG"),
+         why="merge of split rows' segment states: a thread per row, plain loads"),
     Rule("logsumexp__*__sm90a", "stream row", require=("SHFL",), forbid=("HGMMA", "QGMMA", "UTMALDG"),
          why="one CTA per row: online states in registers, merged by warp shuffles and shared memory"),
     Rule("softmax_cross_entropy__*__sm90a", "stream row", require=("SHFL",), forbid=("HGMMA", "QGMMA", "UTMALDG"),

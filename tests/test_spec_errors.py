@@ -11,6 +11,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CE = (ROOT / "tests" / "specs" / "cross_entropy.yaml").read_text()
+# per-token float weights: no CUDA template takes them (resident_row: 1-D outputs; stream_row: float per-row reads)
+CE_WEIGHTED = (CE.replace('  labels: {shape: [T], dtype: [int32], values: "[0, V)"}\n',
+                          '  labels: {shape: [T], dtype: [int32], values: "[0, V)"}\n  weight: {shape: [T], dtype: [float32]}\n')
+               .replace('value: "m + log(l) - xt"', 'value: "(m + log(l) - xt) * weight[t]"'))
 
 
 def check(tmp_path: Path, text: str) -> tuple[int, str]:
@@ -25,7 +29,9 @@ def check(tmp_path: Path, text: str) -> tuple[int, str]:
     (CE.replace("dtype: [int32], values", "dtype: [bool], values"), "no support for 'bool'"),
     (CE + "variants:\n  cuda: {template: stream_attention, families: [sm80], dtype: [float32]}\n",
      "no CUDA kernel template accepts this cascade (stream_attention: "),
-    (CE + "variants:\n  cuda: {families: [sm80], dtype: [float32]}\n", "resident_row writes (rows, k) outputs"),
+    (CE_WEIGHTED + "variants:\n  cuda: {families: [sm80], dtype: [float32]}\n", "resident_row writes (rows, k) outputs"),
+    (CE_WEIGHTED + "variants:\n  cuda: {families: [sm80], dtype: [float32]}\n",
+     "stream_row: per-row tensor weight must be an integer index tensor"),
     (CE + "schedule: {sm80: {block_m: 64}}\n", "'schedule:' is gone"),
     (CE.replace("xt: sum(where(e == labels[t], x, 0))", "xt: sum(sin(x * m))"), "is not fusible"),
 ])
@@ -43,9 +49,10 @@ def test_index_tensors_of_every_torch_index_dtype(tmp_path, dtype):
 def test_build_stops_with_the_reasons_when_no_template_accepts(tmp_path):
     """The build's generator (`emit`) ends a spec whose cuda section no template accepts with the reasons."""
     spec = tmp_path / "op.yaml"
-    spec.write_text(CE + "variants:\n  cuda: {families: [sm80], dtype: [float32]}\n")
+    spec.write_text(CE_WEIGHTED + "variants:\n  cuda: {families: [sm80], dtype: [float32]}\n")
     r = subprocess.run([sys.executable, "-m", "generator", "emit", "--out", str(tmp_path / "gen"), "--archs", "sm80",
                         str(spec)], check=False, cwd=ROOT, capture_output=True, text=True, timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode == 1 and "no CUDA kernel template accepts cross_entropy" in out, out
     assert "resident_row writes (rows, k) outputs" in out and "Traceback" not in out
+    assert "stream_row: per-row tensor weight must be an integer index tensor" in out

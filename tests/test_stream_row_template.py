@@ -217,6 +217,29 @@ def test_split_plan():
         assert (ns - 1) * cps < n_full <= ns * cps and (ns == 1 or cps >= 2)  # no empty segment
 
 
+def test_split_plan_cpp_equals_python(tmp_path):
+    """impl_cuda's copy of the split plan (SPLIT_CPP) gives the same (n_split, cps) as the one the tests simulate."""
+    import random
+    import subprocess
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    assert cxx, "a C++ compiler is needed (it builds the library too)"
+    rng = random.Random(3)
+    cases = [(rng.choice([1, 2, 3, 16, 100, 263, 264, 5000]), rng.choice([0, 1, 4095, 4096, 16384, 50001, 128256,
+                                                                          1 << 20]),
+              rng.choice([78, 108, 132, 148]), rng.choice([2048, 4096])) for _ in range(300)]
+    src = tmp_path / "t.cpp"
+    src.write_text("#include <algorithm>\n#include <cstdint>\n#include <cstdio>\n" + sr.SPLIT_CPP + "\nint main() {\n"
+                   "  int64_t ns, cps;\n" + "".join(
+                       f"  stream_row_split_plan({', '.join(map(str, c))}, ns, cps); "
+                       "std::printf(\"%lld %lld\\n\", (long long)ns, (long long)cps);\n" for c in cases) + "}\n")
+    subprocess.run([cxx, "-O1", str(src), "-o", str(tmp_path / "t")], check=True)
+    got = subprocess.run([str(tmp_path / "t")], capture_output=True, text=True, check=True).stdout.split("\n")
+    want = [sr.split_plan(*c) for c in cases]
+    assert [tuple(map(int, line.split())) for line in got if line] == want
+    assert any(w[0] > 1 for w in want) and any(w[0] == 1 for w in want)
+
+
 def test_sim_with_fewer_threads_same_results():
     """The schedule does not depend on the CTA size: 64 threads (2 warps) give the reference too."""
     x = logits(3, 3000, 2)
