@@ -493,7 +493,8 @@ def _rms_quant_check(eps: float) -> Callable[[str, Any, tuple], dict]:
         unit = torch.exp2(torch.floor(torch.log2(torch.maximum(q.abs(), ref_q.abs()).clamp(min=2.0**-6))) - 3)
         q_units = ((q - ref_q).abs() / unit).max().item()
         rel = ((scale - ref_s).abs() / ref_s).max().item()
-        return {"q_max_units": q_units, "scale_rel_err": rel, "ok": bool(q_units <= 1 and rel <= 5e-6)}
+        return {"max_err": q_units, "bound": 1.0, "q_max_units": q_units, "scale_rel_err": rel,
+                "ok": bool(q_units <= 1 and rel <= 5e-6)}
 
     return check
 
