@@ -74,6 +74,14 @@ RULES: tuple[Rule, ...] = (
          why="one CTA per row: online states in registers, merged by warp shuffles and shared memory"),
     Rule("softmax_cross_entropy__*__sm90a", "stream row", require=("SHFL",), forbid=("HGMMA", "QGMMA", "UTMALDG"),
          why="one CTA per row: online states in registers, merged by warp shuffles and shared memory"),
+    # stream_row with per-element outputs: the same streaming pass, then the final states broadcast through shared
+    # memory (a second barrier) and a second pass over the row storing each element (no merge kernel: never split)
+    Rule("rms_norm_fp8_quant__*__sm90a", "stream row + final pass", require=("SHFL", "BAR"),
+         forbid=("HGMMA", "QGMMA", "UTMALDG"),
+         why="one CTA per row: sum of squares and abs-max online, then q written per element as e4m3"),
+    Rule("row_softmax__*__sm90a", "stream row + final pass", require=("SHFL", "BAR"),
+         forbid=("HGMMA", "QGMMA", "UTMALDG"),
+         why="one CTA per row: max and rescaled sum online, then each probability written in x's dtype"),
     # the router: one warp per row in registers, warp shuffles; no GEMM, no TMA
     Rule("moe_route__*__sm90a", "router", forbid=("HGMMA", "QGMMA"),
          why="a row per warp in registers; no matrix work"),

@@ -204,10 +204,8 @@ def check(tmp_path: Path, text: str) -> tuple[int, str]:
     ("    shape: [T, N]\n", "    shape: [T, T]\n", "the dimension T is indexed by 'j', which runs over N"),
     # without `eps > 0` the correction of the abs-max can overflow (eps = 0 and an all-zero prefix)
     ('  - {expr: "eps > 0", message: "eps must be positive"}\n', "", "overflows to inf"),
-    # a CUDA section: no template writes per-element outputs yet (the reasons are listed)
-    ("    dtype: [float32, float16, bfloat16]\n",
-     "    dtype: [float32, float16, bfloat16]\n  cuda: {families: [sm80], dtype: [float16]}\n",
-     "no CUDA kernel template accepts this cascade"),
+    # CUDA families no template has variants for (stream_row: sm80/sm90a/sm100a): the reasons are listed
+    ("    families: [sm80, sm90a, sm100a]\n", "    families: [sm89]\n", "no CUDA kernel template accepts this cascade"),
 ])
 def test_bad_per_element_specs_give_clear_errors(tmp_path, old, new, message):
     assert old in SPEC
@@ -226,7 +224,9 @@ def test_sign_from_a_check_written_either_way(tmp_path):
 
 def test_transposed_per_element_output_is_accepted(tmp_path):
     """Any order of the output's indices: q indexed [j, t] (shape [N, T])."""
-    text = SPEC.replace("    shape: [T, N]\n", "    shape: [N, T]\n").replace("index: [t, j]", "index: [j, t]")
+    # without the cuda section: stream_row writes per-element outputs indexed [row, e] only (refused with the reason)
+    text = SPEC.split("  cuda:")[0]
+    text = text.replace("    shape: [T, N]\n", "    shape: [N, T]\n").replace("index: [t, j]", "index: [j, t]")
     rc, out = check(tmp_path, text)
     assert rc == 0 and out.startswith("ok "), out
 

@@ -300,15 +300,15 @@ def _refused(name: str, mutate) -> str:
 
 
 @pytest.mark.parametrize("name, mutate, reason", [
-    # per-element outputs (softmax probabilities) need a final pass
+    # per-element outputs are written row-major only (index [t, e]); a transposed one is refused
     ("logsumexp", lambda t: t.replace('out: {shape: [T], dtype: float32, index: [t], value: "m + log(l)"}',
-                                      'out: {shape: [T, E], dtype: float32, index: [t, e], value: "exp(y - m) / l", empty: 0}'),
-     "per-row results"),
+                                      'out: {shape: [E, T], dtype: float32, index: [e, t], value: "exp(y - m) / l", empty: 0}'),
+     "per-element results indexed (t, e)"),
     # a read of a second row tensor
     ("logsumexp", lambda t: t.replace("  x: {shape: [T, E], dtype: [float32, float16, bfloat16]}",
                                       "  x: {shape: [T, E], dtype: [float32, float16, bfloat16]}\n"
                                       "  w: {shape: [E], dtype: [float32]}")
-     .replace('y: "float32(x[t, e])"', 'y: "float32(x[t, e]) * w[e]"'), "per-row reads"),
+     .replace('y: "float32(x[t, e])"', 'y: "float32(x[t, e]) * w[e]"'), "the row tensor's dtype"),
     # a float per-row tensor
     ("softmax_cross_entropy", lambda t: t.replace("dtype: [int64, int32], values", "dtype: [float32], values"),
      "integer index tensor"),

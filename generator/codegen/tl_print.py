@@ -63,6 +63,8 @@ class TLPrinter:
                 return "(" + " * ".join([self.p(e.base)] * int(e.exp)) + ")"
             if e.exp == -1:
                 return f"(T.float32(1.0) / {self.p(e.base)})"
+            if e.exp == sp.Rational(-1, 2):
+                return f"(T.float32(1.0) / T.sqrt({self.p(e.base)}))"
             raise ValueError(f"{self.where}: no TileLang form for the power {e}")
         if isinstance(e, sp.exp):
             return f"T.exp({self.p(e.args[0])})"

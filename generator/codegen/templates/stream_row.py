@@ -9,12 +9,23 @@ partial chunk contributes the monoid's neutral value for elements past the row's
 value. The threads' states are then combined by the engine's *merge form*: a butterfly of warp shuffles (5 rounds),
 one slot per warp in shared memory, and thread 0 merges the warps' states in order and writes every output.
 
+Outputs indexed by the streamed axis (per-element outputs: softmax probabilities, a norm's quantised values) take a
+final pass: thread 0 also puts the row's final states in shared memory, every thread reads them back after a
+barrier and streams its elements of the row again (the same chunks, loads and tail masking), writing each
+per-element output cast to its dtype (float32, float16, bfloat16 or float8_e4m3fn). Such a cascade runs one CTA per
+row: its rows are never split (the final pass needs the whole row's states; a split row would need a third
+program), so n_split is always 1 for it and the kernel has no workspace branch.
+
+Besides the row tensor, the terms and outputs may read *column* tensors ``c<k>``: 1-D tensors indexed by the
+streamed axis alone (a norm's weight), in the row tensor's dtype, loaded next to the row's elements.
+
 What the kernel computes comes from a :class:`RowMath` (made by stream_row_bridge.py from the engine's forms); its
 texts use the template's canonical names:
 
 * ``s<i>`` state i (the new value inside an update), ``s<i>_old`` its value before the chunk, ``s<i>_safe`` its
   guard, ``s<i>_seg`` a segment's value inside a merge term;
-* ``x`` the element (float32), ``e`` its index in the row (int64), ``L`` the row length (int32);
+* ``x`` the element (float32), ``e`` its index in the row (int64), ``L`` the row length (int32), ``c<k>`` the
+  k-th column tensor's element at ``e`` (float32);
 * ``r<k>`` the row's value of the k-th per-row index tensor (int64), ``ip<k>`` / ``fp<k>`` int64 / float32
   parameters.
 
@@ -25,14 +36,16 @@ the threads made explicit: per-thread values get a leading thread axis, each per
 ``for tid in T.serial(THREADS)``, a shuffle reads another thread's copy and the shared slots are a plain array.
 Chunking, element order, masking of the tail, the order of every merge and the output code are emitted by the same
 code path, so the simulation checks the schedule and the engine's math (not nvcc or the hardware). bfloat16 rows
-are passed as raw uint16 there (the C backend has no bfloat16) and widened by a shift.
+are passed as raw uint16 there (the C backend has no bfloat16) and widened by a shift. Per-element outputs are
+written there as float32 (the value the CUDA kernel casts to the output's dtype in its store); the test applies that
+rounding (torch's float8_e4m3fn / float16 / bfloat16 conversion, round to nearest even).
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .resident_row import _Rename, _Src
 
@@ -40,6 +53,7 @@ TEMPLATE_VERSION = "stream_row/1"
 FAMILIES = ("sm80", "sm90a", "sm100a")
 DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 OPS = ("max", "min", "sum")
+OUT_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn")  # per-element outputs ("row": the row's dtype)
 _ARCH = {"sm80": "sm_80", "sm90a": "sm_90a", "sm100a": "sm_100a"}
 INF = "T.infinity('float32')"
 MERGE_ROWS = 128  # rows per CTA of the merge program
@@ -69,6 +83,8 @@ class RowMath:
     n_index: int = 0  # per-row int64 index tensors r0..
     n_iparams: int = 0
     n_fparams: int = 0
+    n_cols: int = 0  # column tensors C0.. (read at the element's index e, in the row tensor's dtype)
+    elem_outputs: tuple[tuple[str, str], ...] = ()  # per-element outputs: (float32 value, dtype of the store)
 
 
 @dataclass(frozen=True)
@@ -144,7 +160,11 @@ def check_math(m: RowMath) -> None:
             raise ValueError(f"stream_row: state s{i}: kind {s.kind}")
     if len(m.merge) != len(m.states):
         raise ValueError("stream_row: one merge term per state")
-    for text in [s.term for s in m.states] + [s.correction or "0" for s in m.states] + list(m.merge) + list(m.outputs):
+    for _, dt in m.elem_outputs:
+        if dt not in OUT_DTYPES + ("row",):
+            raise ValueError(f"stream_row: per-element output dtype {dt} not in {OUT_DTYPES}")
+    texts = [s.term for s in m.states] + [s.correction or "0" for s in m.states] + list(m.merge) + list(m.outputs)
+    for text in texts + [t for t, _ in m.elem_outputs]:
         ast.parse(text, mode="eval")
 
 
@@ -153,7 +173,46 @@ def _neutral(op: str) -> str:
 
 
 def _combine(op: str, a: str, b: str) -> str:
-    return {"max": f"T.max({a}, {b})", "min": f"T.min({a}, {b})", "sum": f"({a} + {b})"}[op]
+    """``a op b``; max and min propagate NaN (as the engine's math and the CPU kernels do; a bare T.max drops it).
+    NaN is tested on the bits: TVM's simplifier folds ``b != b`` to False."""
+    if op in ("max", "min"):
+        nan = f"T.reinterpret({b}, \"uint32\") & T.uint32(0x7FFFFFFF) > T.uint32(0x7F800000)"
+        less = f"{a} < {b}" if op == "max" else f"{b} < {a}"
+        return f"T.if_then_else({less} or {nan}, {b}, {a})"
+    return f"({a} + {b})"
+
+
+class _Intrinsics(ast.NodeTransformer):
+    """``T.max`` / ``T.min`` of the math -> selects that propagate NaN (CUDA's fmaxf/fminf drop it; the engine's math
+    and the CPU kernels keep it); with ``sim``, ``T.abs(a)`` -> ``T.if_then_else(a < 0, -a, a)`` (TileLang's C
+    target has no fabs)."""
+
+    def __init__(self, sim: bool):
+        self.sim = sim
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        self.generic_visit(node)
+        f = node.func
+        if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "T"):
+            return node
+        if f.attr in ("max", "min") and len(node.args) == 2:
+            text = _combine(f.attr, ast.unparse(node.args[0]), ast.unparse(node.args[1]))
+            return ast.parse(text, mode="eval").body
+        if f.attr == "abs" and self.sim:
+            a = ast.unparse(node.args[0])
+            return ast.parse(f"T.if_then_else({a} < T.float32(0.0), -({a}), {a})", mode="eval").body
+        return node
+
+
+def _backend_math(m: RowMath, sim: bool) -> RowMath:
+    """The math's texts with NaN-propagating max/min (and, for cpu_sim, the intrinsics the C target lacks)."""
+
+    def tx(text: str | None) -> str | None:
+        return text and ast.unparse(_Intrinsics(sim).visit(ast.parse(text, mode="eval")))
+
+    states = tuple(State(s.op, tx(s.term), tx(s.correction), s.kind, tx(s.guard)) for s in m.states)
+    return replace(m, states=states, merge=tuple(map(tx, m.merge)), outputs=tuple(map(tx, m.outputs)),
+                   elem_outputs=tuple((tx(t), d) for t, d in m.elem_outputs))
 
 
 def _rename(text: str, mapping: dict[str, str]) -> str:
@@ -166,8 +225,8 @@ class _Emitter:
             raise ValueError(f"backend must be 'cuda' or 'cpu_sim', got {backend!r}")
         v.check()
         check_math(math)
-        self.m, self.v = math, v
         self.sim = backend == "cpu_sim"
+        self.m, self.v = _backend_math(math, self.sim), v
         self.src = _Src()
         self.src.depth = 3
         self.decls: dict[str, tuple[str, int | None]] = {}
@@ -201,6 +260,8 @@ class _Emitter:
     # ---- names of the math's texts ------------------------------------------------------------------
     def base_names(self) -> dict[str, str]:
         names = {"L": "L"}
+        for k in range(self.m.n_cols):
+            names[f"c{k}"] = self.widen(self.ta(f"i_craw{k}", "i_k"))
         for k in range(self.m.n_index):
             names[f"r{k}"] = self.t(f"i_r{k}")
         for k in range(self.m.n_iparams):
@@ -247,6 +308,18 @@ class _Emitter:
             kind = "vectorized" if vector else "unroll"
             with self.src.block(self.loop("i_v", V, kind)):
                 self.src(f"{self.ta('i_raw', 'i_u * ' + str(V) + ' + i_v')} = X[i_row, i_e0 + i_v]")
+            for k in range(self.m.n_cols):
+                with self.src.block(self.loop("i_v", V, kind)):
+                    self.src(f"{self.ta(f'i_craw{k}', 'i_u * ' + str(V) + ' + i_v')} = C{k}[i_e0 + i_v]")
+
+    def load_tail(self) -> None:
+        """The thread's elements of the last, partial chunk (zero past the row's end)."""
+        zero = "T.uint16(0)" if (self.sim and self.v.dtype == "bfloat16") else f"T.cast(0, \"{self.v.dtype}\")"
+        with self.src.block(self.loop("i_k", self.v.per_thread)):
+            self.src(f"i_e = {self.elem_index('n_full', 'i_k')}")
+            self.src(f"{self.ta('i_raw', 'i_k')} = T.if_then_else(i_e < L, X[i_row, i_e], {zero})")
+            for k in range(self.m.n_cols):
+                self.src(f"{self.ta(f'i_craw{k}', 'i_k')} = T.if_then_else(i_e < L, C{k}[i_e], {zero})")
 
     def update(self, chunk: str, tail: bool) -> None:
         """The engine's online form over the thread's elements of one chunk."""
@@ -297,7 +370,7 @@ class _Emitter:
         # tail; a segment past the row's end keeps the neutral states
         self.src("c_lo = T.min(i_seg * cps, n_full)")
         self.src("c_hi = T.min(c_lo + cps, n_full)")
-        aligned = "T.reinterpret(T.address_of(X[0, 0]), \"uint64\") % T.uint64(16) == T.uint64(0)"
+        aligned = self.aligned()
         # the vector path: `ld % V == 0` is the whole condition of its own `if` (TileLang's vectorizer takes it
         # as a fact only then); the base pointer's alignment is tested inside it
         with self.src.block(f"if ld % {V} == 0"):
@@ -308,12 +381,57 @@ class _Emitter:
         with self.src.block("else"):
             self.full_chunks(vector=False)
         with self.src.block(f"if i_seg == n_split - 1 and n_full * {self.v.chunk} < L"), self.threads():
-            P = self.v.per_thread
-            with self.src.block(self.loop("i_k", P)):
-                self.src(f"i_e = {self.elem_index('n_full', 'i_k')}")
-                zero = "T.uint16(0)" if (self.sim and self.v.dtype == "bfloat16") else f"T.cast(0, \"{self.v.dtype}\")"
-                self.src(f"{self.ta('i_raw', 'i_k')} = T.if_then_else(i_e < L, X[i_row, i_e], {zero})")
+            self.load_tail()
             self.update("n_full", tail=True)
+
+    def aligned(self) -> str:
+        """The base pointers of the row tensor and of every column tensor are 16-byte aligned."""
+        ptrs = ["X[0, 0]"] + [f"C{k}[0]" for k in range(self.m.n_cols)]
+        return " and ".join(f"T.reinterpret(T.address_of({p}), \"uint64\") % T.uint64(16) == T.uint64(0)"
+                            for p in ptrs)
+
+    # ---- the final pass (per-element outputs) ------------------------------------------------------
+    def store_elems(self, chunk: str, tail: bool) -> None:
+        """Per-element outputs of the thread's elements of one chunk (loaded in i_raw / i_craw<k>)."""
+        names = {**self.base_names(), **self.state_names()}
+        with self.src.block(self.loop("i_k", self.v.per_thread)):
+            self.src(f"i_e = {self.elem_index(chunk, 'i_k')}")
+            names.update({"x": self.widen(self.ta("i_raw", "i_k")), "e": "T.cast(i_e, \"int64\")"})
+            ctx = self.src.block("if i_e < L") if tail else contextlib.nullcontext()
+            with ctx:
+                for k, (text, dt) in enumerate(self.m.elem_outputs):
+                    value = _rename(text, names)
+                    dt = self.v.dtype if dt == "row" else dt
+                    if not self.sim and dt != "float32":
+                        value = f"T.cast({value}, \"{dt}\")"
+                    self.src(f"E{k}[i_row, i_e] = {value}")
+
+    def final_pass_chunks(self, vector: bool) -> None:
+        with self.threads(), self.src.block(self.loop("i_ch", "n_full", "serial")):
+            self.load_chunk("i_ch", vector)
+            self.store_elems("i_ch", tail=False)
+
+    def final_pass(self) -> None:
+        """Every thread takes the row's final states from shared memory and writes the per-element outputs."""
+        if not self.sim:
+            self.src("T.sync_threads()")
+        with self.threads():
+            for i in range(self.n):
+                self.src(f"{self.t(f's{i}')} = shf[{i}]")
+            self.guards()
+            for k in range(self.m.n_index):
+                self.src(f"{self.t(f'i_r{k}')} = R{k}[i_row]")
+        V = self.v.vec
+        with self.src.block(f"if ld % {V} == 0"):
+            with self.src.block(f"if {self.aligned()}"):
+                self.final_pass_chunks(vector=True)
+            with self.src.block("else"):
+                self.final_pass_chunks(vector=False)
+        with self.src.block("else"):
+            self.final_pass_chunks(vector=False)
+        with self.src.block(f"if n_full * {self.v.chunk} < L"), self.threads():
+            self.load_tail()
+            self.store_elems("n_full", tail=True)
 
     # ---- the merge ------------------------------------------------------------------------------------
     def merge_pair(self, mine: dict[str, str], other: dict[str, str]) -> None:
@@ -358,6 +476,11 @@ class _Emitter:
                 other = {f"s{i}": f"sh[{i}, i_w]" for i in range(self.n)}
                 with self.src.block(self.loop("i_w", f"1, {W}", "serial")):
                     self.merge_pair(mine, other)
+            if self.m.elem_outputs:  # never split (n_split == 1): the outputs, and the states for the final pass
+                self.outputs()
+                for i in range(self.n):
+                    self.src(f"shf[{i}] = {self.t(f's{i}')}")
+                return
             with self.src.block("if n_split == 1"):
                 self.outputs()
             with self.src.block("else"):  # a segment of a split row: its states, for the merge program
@@ -394,6 +517,8 @@ class _Emitter:
         self.decl("i_c", "float32")
         raw_dt = "uint16" if (self.sim and v.dtype == "bfloat16") else v.dtype
         self.decl("i_raw", raw_dt, v.per_thread)
+        for k in range(m.n_cols):
+            self.decl(f"i_craw{k}", raw_dt, v.per_thread)
         for k in range(m.n_index):
             self.decl(f"i_r{k}", "int64")
         if merge:
@@ -403,12 +528,18 @@ class _Emitter:
             self.stream()
             self.butterfly()
             self.across_warps()
+            if m.elem_outputs:
+                self.final_pass()
         body = self.src.lines
 
         params = [] if merge else [f"X: T.Tensor((n_rows, ld), \"{raw_dt}\")"]
         params += [f"R{k}: T.Tensor((n_rows,), \"int64\")" for k in range(m.n_index)]
         params += [f"O{k}: T.Tensor((n_rows,), \"float32\")" for k in range(len(m.outputs))]
         params += [f"WS: T.Tensor(({self.n}, n_rows, n_split), \"float32\")"]
+        if not merge:
+            params += [f"C{k}: T.Tensor((lo,), \"{raw_dt}\")" for k in range(m.n_cols)]
+            params += [f"E{k}: T.Tensor((n_rows, lo), \"{'float32' if self.sim else dt.replace('row', v.dtype)}\")"
+                       for k, (_, dt) in enumerate(m.elem_outputs)]
         params += ["L: T.int32"] + ([] if merge else ["cps: T.int32"])
         params += [f"ip{k}: T.int64" for k in range(m.n_iparams)]
         params += [f"fp{k}: T.float32" for k in range(m.n_fparams)]
@@ -424,6 +555,8 @@ class _Emitter:
         out(f"TARGET_ARCH = {(_ARCH[v.family] if not self.sim else 'c')!r}")
         out(f"THREADS = {v.threads if not self.sim else 1}")
         dims = "n_rows, n_split" if merge else "n_rows, ld, n_split"
+        if not merge and (m.n_cols or m.elem_outputs):
+            dims += ", lo"  # the row length as a tensor extent: column tensors and per-element outputs (contiguous)
         out(f"PARAM_ORDER = {tuple(p.split(':')[0] for p in params)!r}  # then {dims}, then the stream")
         out("PASS_CONFIGS = {}")
         out("")
@@ -455,8 +588,12 @@ class _Emitter:
             if not self.sim:
                 out("tid = T.get_thread_binding(0)")
                 out(f"sh = T.alloc_shared(({self.n}, {v.warps}), \"float32\")")
+                if m.elem_outputs:
+                    out(f"shf = T.alloc_shared(({self.n},), \"float32\")")
             else:
                 out(f"sh = T.alloc_local(({self.n}, {v.warps}), \"float32\")")
+                if m.elem_outputs:
+                    out(f"shf = T.alloc_local(({self.n},), \"float32\")")
         for nm in sorted(self.decls):
             dt, n = self.decls[nm]
             if self.sim:
@@ -479,6 +616,8 @@ def emit_stream_row_merge(math: RowMath, variant: StreamVariant, symbol: str, ba
     launcher appends n_rows and n_split, then the stream."""
     if not symbol.isidentifier():
         raise ValueError(f"symbol {symbol!r} is not an identifier")
+    if math.elem_outputs:
+        raise ValueError("stream_row: a cascade with per-element outputs runs one CTA per row (no merge program)")
     return _Emitter(math, variant, backend).emit(symbol, merge=True)
 
 

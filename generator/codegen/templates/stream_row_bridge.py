@@ -5,9 +5,13 @@ Bound by role, never by an op's names. The cascade must have one row index and o
 which every reduction is a scalar max/min/sum (a `where=` predicate selects its neutral element for the elements
 that fail it); every term reads the streamed element only through
 one 2-D tensor read at (row, streamed index) (possibly through element lets), the streamed index itself, per-row
-reads of 1-D integer tensors, and scalars. Every output is indexed by the row alone. What the kernel computes comes
-from the engine: the states' terms, their online corrections and guards, the merge form (merge_terms) and the
-outputs.
+reads of 1-D integer tensors, reads of 1-D *column* tensors at the streamed index (a norm's weight, in the row
+tensor's dtype), and scalars. An output is indexed by the row (written once per row) or by (row, streamed index): a
+per-element output, written in the template's final pass over the row from the final states, stored as float32,
+float16, bfloat16, float8_e4m3fn or the row tensor's dtype (an outermost cast to that dtype is the store's
+conversion). A cascade with per-element outputs runs one CTA per row (rows are not split across CTAs). What the
+kernel computes comes from the engine: the states' terms, their online corrections and guards, the merge form
+(merge_terms) and the outputs.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import sympy as sp
 
 from ...spec import OpSpec
 from ...symbolic.algebra import MONOIDS
+from ...symbolic.expr import Cast
 from ...symbolic.forms import Analysis, OpAnalysis
 from ..bridge import BridgeError, Job, Plan, launch_call, merge_terms
 from ..bridge import RolePrinter as _Printer
@@ -64,7 +69,7 @@ def _case_math(spec: OpSpec, a: Analysis) -> tuple[sr.RowMath, dict]:
     for f in a.reductions:
         reads |= expand(f.term).atoms(sp.Indexed) | expand(sp.sympify(f.where)).atoms(sp.Indexed)
     for o in a.outputs:
-        reads |= o.value.atoms(sp.Indexed)
+        reads |= expand(o.value).atoms(sp.Indexed)
     row_reads = sorted({ix for ix in reads if tuple(ix.indices) == (row, over)}, key=str)
     if len(row_reads) != 1:
         raise _fail(where, f"needs exactly one row tensor read at [{row}, {over}], found "
@@ -73,12 +78,19 @@ def _case_math(spec: OpSpec, a: Analysis) -> tuple[sr.RowMath, dict]:
     x_name = str(x_read.base.label)
     if len(spec.arg(x_name).shape) != 2:
         raise _fail(where, f"the row tensor {x_name} must be 2-D")
-    index_reads = []
+    index_reads, col_reads = [], []
     for ix in sorted(reads - {x_read}, key=str):
         name = str(ix.base.label)
         arg = spec.arg(name)
+        if tuple(ix.indices) == (over,):
+            if len(arg.shape) != 1 or getattr(arg, "optional", False) or arg.same_as != x_name:
+                raise _fail(where, f"read {ix}: a column tensor (read at [{over}]) must be 1-D, not optional, and "
+                            f"have the row tensor's dtype (dtype: {x_name})")
+            col_reads.append(ix)
+            continue
         if tuple(ix.indices) != (row,):
-            raise _fail(where, f"read {ix}: besides the row tensor only per-row reads t[{row}] are streamed")
+            raise _fail(where, f"read {ix}: besides the row tensor only per-row reads t[{row}] and column reads "
+                        f"t[{over}] are streamed")
         if any(d not in INT_DTYPES for d in (arg.dtypes or ())) or not arg.dtypes:
             raise _fail(where, f"per-row tensor {name} must be an integer index tensor ({'/'.join(INT_DTYPES)})")
         if getattr(arg, "optional", False):
@@ -92,6 +104,7 @@ def _case_math(spec: OpSpec, a: Analysis) -> tuple[sr.RowMath, dict]:
         raise _fail(where, f"scalar(s) {others} are flags: stream_row takes int and float parameters only")
     names: dict[sp.Basic, str] = {x_read: "x", over: "e", ir.extents[ir.over]: "L"}
     names.update({ix: f"r{k}" for k, ix in enumerate(index_reads)})
+    names.update({ix: f"c{k}" for k, ix in enumerate(col_reads)})
     names.update({ir.scalars[n]: f"ip{k}" for k, n in enumerate(iparams)})
     names.update({ir.scalars[n]: f"fp{k}" for k, n in enumerate(fparams)})
     pos = {f.name: f"s{i}" for i, f in enumerate(a.reductions)}
@@ -122,7 +135,7 @@ def _case_math(spec: OpSpec, a: Analysis) -> tuple[sr.RowMath, dict]:
         term = expand(f.term)
         if f.where not in (sp.true, True):  # where=: an element that fails the predicate contributes the neutral
             term = sp.Piecewise((term, expand(f.where)), (MONOIDS[f.op].neutral, True))
-        bad = term.atoms(sp.Indexed) - {x_read} - set(index_reads)
+        bad = term.atoms(sp.Indexed) - {x_read} - set(index_reads) - set(col_reads)
         if bad:
             raise _fail(where, f"state {f.name} reads {sorted(map(str, bad))}")
         g = guards.get(f.name)
@@ -135,23 +148,44 @@ def _case_math(spec: OpSpec, a: Analysis) -> tuple[sr.RowMath, dict]:
     base = {s: names[s] for s in [*ir.scalars.values(), ir.extents[ir.over], *index_reads]}
     _, terms = merge_terms(forms, st, {pos[n]: g for n, g in guards.items()}, base,
                            lambda nm: _Printer(nm, where, sr.INF))
-    outputs = []
+    outputs, elem = [], []
     for o in a.outputs:
+        dtype = next(x.dtype for x in spec.outputs if x.name == o.name)
+        if tuple(o.index) == (ir.rows[0], ir.over):
+            elem.append((o.name, _elem_output(where, o, dtype, x_name, expand, tl)))
+            continue
         if tuple(o.index) != (ir.rows[0],):
             raise _fail(where, f"output {o.name} is indexed ({', '.join(o.index)}): stream_row writes per-row "
-                        "results (outputs over the streamed axis need a final pass, not written)")
-        dtype = next(x.dtype for x in spec.outputs if x.name == o.name)
+                        f"results and per-element results indexed ({ir.rows[0]}, {ir.over})")
         if dtype != "float32":
             raise _fail(where, f"output {o.name} is {dtype}: stream_row writes float32")
         if o.per_element:
             raise _fail(where, f"output {o.name} reads elements of the row after the pass")
         outputs.append(tl(o.value))
     math = sr.RowMath(tuple(states), tuple(t for _, t in terms), tuple(outputs), len(index_reads), len(iparams),
-                      len(fparams))
+                      len(fparams), len(col_reads), tuple(e for _, e in elem))
     sr.check_math(math)
+    elem_names = {n for n, _ in elem}
     roles = {"x": x_name, "rows": row_axis, "length": length_axis, "index": tuple(index_names),
-             "iparams": tuple(iparams), "fparams": tuple(fparams), "outputs": tuple(o.name for o in a.outputs)}
+             "iparams": tuple(iparams), "fparams": tuple(fparams),
+             "outputs": tuple(o.name for o in a.outputs if o.name not in elem_names),
+             "cols": tuple(str(ix.base.label) for ix in col_reads), "elem_outputs": tuple(n for n, _ in elem)}
     return math, roles
+
+
+def _elem_output(where: str, o, dtype: str, x_name: str, expand, tl) -> tuple[str, str]:
+    """(float32 value text, store dtype) of a per-element output; the store dtype ``row`` is the row tensor's."""
+    store = "row" if dtype == x_name else dtype
+    if store != "row" and store not in sr.OUT_DTYPES:
+        raise _fail(where, f"per-element output {o.name} is {dtype}: stream_row stores {'/'.join(sr.OUT_DTYPES)} "
+                    "or the row tensor's dtype")
+    value = expand(o.value)
+    if isinstance(value, Cast) and value.dtype == store:  # the store's own conversion
+        value = value.args[0]
+    try:
+        return tl(value), store
+    except ValueError as exc:
+        raise _fail(where, f"per-element output {o.name}: {exc}") from exc
 
 
 def stream_math(spec: OpSpec, op: OpAnalysis) -> tuple[sr.RowMath, dict]:
@@ -172,9 +206,11 @@ def stream_plan(spec: OpSpec, op: OpAnalysis, families: list[str]) -> Plan:
     hdr = (("spec", spec.file), ("template", sr.TEMPLATE_VERSION))
     entries = []
     for fam in families:
-        merge = sr.StreamVariant(cv.dtypes[0], fam).merge_name(spec.name)
-        plan.jobs.append(Job(merge, fam, sr.emit_stream_row_merge(math, sr.StreamVariant(cv.dtypes[0], fam), merge),
-                             hdr))
+        merge = None
+        if not math.elem_outputs:  # a cascade with per-element outputs is never split: no merge program
+            merge = sr.StreamVariant(cv.dtypes[0], fam).merge_name(spec.name)
+            plan.jobs.append(Job(merge, fam, sr.emit_stream_row_merge(math, sr.StreamVariant(cv.dtypes[0], fam),
+                                                                      merge), hdr))
         for dt in cv.dtypes:
             v = sr.StreamVariant(dt, fam)
             sym = v.variant_name(spec.name)
@@ -188,9 +224,9 @@ def stream_plan(spec: OpSpec, op: OpAnalysis, families: list[str]) -> Plan:
 
 
 def stream_body(spec: OpSpec, plan, lowered: dict[str, dict]) -> list[str]:
-    """impl_cuda: rows with unit element stride (else copied), int64 index tensors, launches over row chunks whose
-    int32 offsets fit; few long rows are split across CTAs (segments' states in a float32 workspace, then the merge
-    program)."""
+    """impl_cuda: rows with unit element stride (else copied), int64 index tensors, contiguous column tensors (else
+    copied), launches over row chunks whose int32 offsets fit; few long rows are split across CTAs (segments' states
+    in a float32 workspace, then the merge program) unless the cascade has per-element outputs (one CTA per row)."""
     r = plan.roles
     x = r["x"]
     fams = ", ".join(f'"{f}"' for f in plan.families)
@@ -218,7 +254,12 @@ def stream_body(spec: OpSpec, plan, lowered: dict[str, dict]) -> list[str]:
             f"    torch::stable::copy_(idx{k}, {name});",
             "  }",
         ]
+    for k, name in enumerate(r["cols"]):
+        L += [
+            f"  const Tensor col{k} = {name}.stride(0) == 1 ? {name} : torch::stable::contiguous({name});",
+        ]
     per_row = [("xx", x)] + [(f"idx{k}", n) for k, n in enumerate(r["index"])] + [(f"c.{o}", o) for o in r["outputs"]]
+    per_row += [(f"c.{o}", o) for o in r["elem_outputs"]]
     extents = ", ".join(f"{{\"{n}\", {t}.stride(0), redfuser::batch_extent({t})}}" for t, n in per_row)
     L += [
         (f"  const int64_t rchunk = redfuser::batch_chunk(kOp, {rows}, {{{extents}}}, "
@@ -227,10 +268,11 @@ def stream_body(spec: OpSpec, plan, lowered: dict[str, dict]) -> list[str]:
         f"  const int64_t n_launch = std::min(rchunk, {rows} - r0);",
         "  bool launched = false;",
         "  int64_t ns = 1, cps = 0;",
-        "  stream_row_split_plan(n_launch, " + length + ", sms, chunk, ns, cps);",
-        "  // the segments' states (unused when a row is one segment: the outputs stand in for it)",
+        ("  stream_row_split_plan(n_launch, " + length + ", sms, chunk, ns, cps);" if not r["elem_outputs"] else
+         f"  cps = std::max<int64_t>(1, {length} / chunk);  // per-element outputs: one CTA per row, never split"),
+        "  // the segments' states (unused when a row is one segment: an output stands in for it)",
         (f"  Tensor ws = ns > 1 ? torch::stable::new_empty(xx, {{{len(plan.math.states)}, n_launch, ns}}, "
-         f"ScalarType::Float) : c.{r['outputs'][0]};"),
+         f"ScalarType::Float) : c.{(r['outputs'] + r['elem_outputs'])[0]};"),
     ]
     args = {"X": "redfuser::batch_ptr(xx, r0)", "L": length, "n_rows": "n_launch", "ld": "ld",
             "WS": "ws.mutable_data_ptr()", "n_split": "ns", "cps": "cps"}
@@ -238,6 +280,12 @@ def stream_body(spec: OpSpec, plan, lowered: dict[str, dict]) -> list[str]:
         args[f"R{k}"] = f"redfuser::batch_ptr(idx{k}, r0)"
     for k, o in enumerate(r["outputs"]):
         args[f"O{k}"] = f"redfuser::batch_ptr(c.{o}, r0)"
+    for k, _ in enumerate(r["cols"]):
+        args[f"C{k}"] = f"redfuser::batch_ptr(col{k}, 0)"
+    for k, o in enumerate(r["elem_outputs"]):
+        args[f"E{k}"] = f"redfuser::batch_ptr(c.{o}, r0)"
+    if r["cols"] or r["elem_outputs"]:
+        args["lo"] = length
     for k, p in enumerate(r["iparams"]):
         args[f"ip{k}"] = f"A.p_{p}"
     for k, p in enumerate(r["fparams"]):
@@ -246,14 +294,20 @@ def stream_body(spec: OpSpec, plan, lowered: dict[str, dict]) -> list[str]:
     if len(chunks) != 1:
         raise BridgeError(f"{spec.name}: stream_row variants differ in chunk size {sorted(chunks)}")
     L.insert(L.index("  bool launched = false;"), f"  const int64_t chunk = {chunks.pop()};")
-    L.insert(L.index("do {"), "const int64_t sms = redfuser::device_sm_count(kOp, ctx.device());")
+    if not r["elem_outputs"]:  # the split plan needs the SM count
+        L.insert(L.index("do {"), "const int64_t sms = redfuser::device_sm_count(kOp, ctx.device());")
     for fam, dt, sym, merge, _ in plan.entries:
         L += [
             f"  if (!launched && fam == \"{fam}\" && dt == {SCALAR_TYPES[dt]}) {{",
             f"    redfuser::launch(kV_{sym}, ctx, [&](void* s) {{ return {launch_call(sym, lowered[sym]['params'], args)}; }});",
-            "    if (ns > 1) {",
-            f"      redfuser::launch(kV_{merge}, ctx, [&](void* s) {{ return {launch_call(merge, lowered[merge]['params'], args)}; }});",
-            "    }",
+        ]
+        if merge:
+            L += [
+                "    if (ns > 1) {",
+                f"      redfuser::launch(kV_{merge}, ctx, [&](void* s) {{ return {launch_call(merge, lowered[merge]['params'], args)}; }});",
+                "    }",
+            ]
+        L += [
             "    launched = true;",
             "  }",
         ]
