@@ -43,7 +43,7 @@ from .sass_expect import (
 
 TABLE_DIR = ROOT / "bench" / "results" / "sass"
 # opcodes counted in the table (the part of the mnemonic before the first '.')
-COUNTED = ("HGMMA", "QGMMA", "HMMA", "QMMA", "UTMALDG", "UTMASTG", "LDGSTS", "LDL", "STL")
+COUNTED = ("HGMMA", "QGMMA", "HMMA", "QMMA", "UTMALDG", "UTMASTG", "LDGSTS", "SHFL", "BAR", "LDL", "STL")
 SASS_ARCHS = {a for archs in FAMILY_ARCHS.values() for a in archs}
 
 
