@@ -234,13 +234,13 @@ def test_transposed_per_element_output_is_accepted(tmp_path):
 # --------------------------------------------------------------------------------------------- bench cases
 @pytest.mark.parametrize("op", ["rms_norm_fp8_quant", "row_softmax"])
 def test_bench_cases_run_and_judge(op):
-    """The tiny CPU bench cases: the op and torch eager pass their checks, a perturbed result does not; no CUDA
-    cases (no CUDA kernel)."""
+    """The tiny CPU bench cases: the op and torch eager pass their checks, a perturbed result does not; the CUDA
+    cases (stream_row kernels) are the same op on the GPU."""
     from bench import cases
     from bench.run import Runner
 
     make = cases.OPS[op]
-    assert make("cuda", "quick") == []
+    assert {c.op for c in make("cuda", "quick")} == {op}
     runner = Runner("cpu", budget_s=60, quick=True, size="tiny", cache_bytes=1 << 20, mem_cap=1 << 26,
                     log=lambda s: None)
     case = make("cpu", "tiny")[0]

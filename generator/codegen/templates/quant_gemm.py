@@ -554,7 +554,7 @@ def emit_program(math: QuantMath, cfg: QuantConfig, symbol: str) -> str:
             src(b + 2, f"Spart[{k}, bz, m0 + i] = {st(s.name)}")
     else:
         # the column clamped into range: the tile's columns past N compute values the bounds-checked store drops,
-        # and must not read the epilogue vectors (w_scale, bias) past their end
+        # and must not read the epilogue vectors (per-column scales, a bias) past their end
         omap = _out_map(math, "acc[i, j]", st, lambda v: v, "T.min(n0 + j, cols - 1)")
         src(b, f"for i, j in T.Parallel({BM}, {BN}):")
         src(b + 1, f"acc[i, j] = {render(math.out, omap, 'out')}")
