@@ -399,7 +399,8 @@ PROBE = (-math.inf, -1000.0, -800.0, -745.5, -100.0, -3.0, -1.0, -1e-300, -0.0, 
          710.0, 800.0, 1000.0)
 
 
-def _sample_values(sym: sp.Basic) -> tuple[float, ...]:
+def sample_values(sym: sp.Basic) -> tuple[float, ...]:
+    """A few float values a symbol can take (its sign and integer assumptions respected)."""
     if getattr(sym, "is_integer", False):
         return (1.0, 3.0) if sym.is_positive else (0.0, 1.0, 3.0)
     if sym.is_positive:
@@ -420,7 +421,7 @@ def probe_body(body: sp.Expr, atom: sp.Basic, rng: random.Random, combos: int = 
     import numpy as np
 
     f = np_lambdify([a, *fresh.values()], b)
-    grids = [_sample_values(o) if isinstance(o, sp.Symbol) else (-800.0, -1.0, 0.0, 1.0, 800.0) for o in others]
+    grids = [sample_values(o) if isinstance(o, sp.Symbol) else (-800.0, -1.0, 0.0, 1.0, 800.0) for o in others]
     points = [tuple(rng.choice(g) for g in grids) for _ in range(combos)] if others else [()]
     out = []
     with np.errstate(all="ignore"):
@@ -466,7 +467,7 @@ def correction_overflows(c: sp.Expr, moves: list[tuple[sp.Symbol, sp.Symbol, int
                 args += [a, b]
                 pair = pair or (a, b)
             else:
-                args += [rng.choice(_sample_values(x)) for x in others]
+                args += [rng.choice(sample_values(x)) for x in others]
                 try:
                     v = complex(f(*[np.float64(x) for x in args]))
                 except (ValueError, ZeroDivisionError, OverflowError, TypeError, NameError):
@@ -489,7 +490,7 @@ def nan_point(body: sp.Expr, atoms: list[sp.Basic], rng: random.Random, trials: 
     with np.errstate(all="ignore"):
         for _ in range(trials):
             vals = [rng.choice(PROBE) for _ in atoms] + [
-                rng.choice(_sample_values(x) if isinstance(x, sp.Symbol) else (-1.0, 0.0, 1.0)) for x in others]
+                rng.choice(sample_values(x) if isinstance(x, sp.Symbol) else (-1.0, 0.0, 1.0)) for x in others]
             try:
                 v = complex(f(*[np.float64(x) for x in vals]))
             except (ValueError, ZeroDivisionError, OverflowError, TypeError, NameError):
@@ -511,6 +512,7 @@ def neutral_everywhere(term: sp.Expr, neutral: sp.Expr) -> bool:
 __all__ = [
     "MONOIDS",
     "PLUS",
+    "PROBE",
     "TIMES",
     "Decomposition",
     "Distributivity",
@@ -526,6 +528,7 @@ __all__ = [
     "neutral_everywhere",
     "other_singular_points",
     "probe_body",
+    "sample_values",
     "sigmoid",
     "state_candidates",
 ]

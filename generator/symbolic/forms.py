@@ -23,6 +23,7 @@ from ..errors import FusionError, Loc, SpecError
 from ..spec import OpSpec
 from .algebra import (
     MONOIDS,
+    PROBE,
     Decomposition,
     GuardPoint,
     Refusal,
@@ -36,6 +37,7 @@ from .algebra import (
     other_singular_points,
     probe_body,
     sample_value,
+    sample_values,
     state_candidates,
 )
 from .expr import has_casts, is_bool, strip_casts
@@ -489,6 +491,12 @@ class _Analyzer:
         if isinstance(inv, Refusal):
             return inv
         conditions.append(inv)
+        if dec.kind != "none":
+            early = self._early_term_not_finite(r, online)
+            if early is not None:
+                return Refusal("bounded", early)
+            conditions.append(Condition("bounded", True, "the term of an element is finite at the states of the "
+                                        "elements seen so far wherever the plain result is finite"))
         return ReductionForm(
             name=r.name, op=r.op, stage="stream", pass_no=0, body=r.body, where=r.where, k=r.k, free=r.free,
             online_deps=tuple(online), final_deps=tuple(d for d in r.deps if d not in online),
@@ -498,6 +506,96 @@ class _Analyzer:
                                    pd.correction.xreplace(to_values)) for n, e, pd in payloads),
             conditions=tuple(conditions), loc=r.loc,
         )
+
+    def _early_term_not_finite(self, r: Reduction, online: list[str], trials: int = 300) -> str | None:
+        """The online form evaluates an element's term F(x, D) at the states D of the elements seen so far (a
+        segment's states when merging), and corrects it later. Where D moves on as later elements come, an early
+        term can be inf or nan although the plain result, which reads the final D, is finite: exp(x - r0) / r0**2
+        with r0 = sum(0.5) and x = 710 overflows after the first element (r0 = 0.5) but not at r0 = 1. A running
+        max keeps its terms bounded (exp(s - m) <= 1 once m has seen s); nothing here knows that: short rows (a
+        prefix, the element, a suffix) of special values run through the plain math of the states, and the term
+        is evaluated at the prefix's (guarded) states. Returns a witness, or None when no row showed one."""
+        import numpy as np
+
+        ir = self.ir
+        if any(ir.reduction(d).selection for d in online):
+            return None
+        chain = set(online)
+        for red in reversed(ir.reductions):  # the same-pass states the online ones read, transitively
+            if red.name in chain:
+                chain |= {x for x in red.deps if x in ir.states and self.stage.get(x) == "stream"
+                          and self.pass_of.get(x) == self.pass_of.get(red.name)}
+        chain_reds = [red for red in ir.reductions if red.name in chain]
+        exprs = [strip_casts(r.body), r.where] + [x for red in chain_reds for x in (strip_casts(red.body), red.where)]
+        exprs = [sp.sympify(e) for e in exprs]
+        atoms = sorted({a for e in exprs for a in element_atoms(ir, e, outermost=True)}, key=str)
+        sub = {a: sp.Dummy(f"x{k}", real=True) for k, a in enumerate(atoms)}
+        others = sorted({s for e in exprs for s in e.xreplace(sub).free_symbols} - set(sub.values()), key=str)
+        args = [sub[a] for a in atoms] + others
+        try:
+            fns = [np_lambdify(args, e.xreplace(sub)) for e in exprs]
+        except (ValueError, TypeError, KeyError, NameError):
+            return None
+        state_of = {ir.states[red.name]: red.name for red in ir.reductions if red.name in ir.states}
+        guards = {d: [(float(p.point), float(p.safe)) for p in self.guard_points.get(d, [])] for d in online}
+        over = ir.indices[ir.over]
+        rng = random.Random(4321)
+
+        def value(fn: Any, elem: list[float], consts: dict[sp.Symbol, float], states: dict[str, float]) -> float:
+            vals = [*elem] + [states[state_of[o]] if o in state_of and state_of[o] in states else consts[o]
+                              for o in others]
+            try:
+                return float(np.asarray(fn(*[np.float64(v) for v in vals])))
+            except (ValueError, TypeError, ZeroDivisionError, OverflowError, NameError):
+                return math.nan
+
+        def fold(op: str, acc: float, v: float) -> float:
+            if op == "sum":
+                return acc + v
+            if math.isnan(acc) or math.isnan(v):
+                return math.nan
+            return max(acc, v) if op == "max" else min(acc, v)
+
+        def states_over(elems: list[list[float]], consts: dict[sp.Symbol, float]) -> dict[str, float]:
+            got: dict[str, float] = {}
+            for k, red in enumerate(chain_reds):
+                acc = float(MONOIDS[red.op].neutral)
+                for el in elems:
+                    if value(fns[3 + 2 * k], el, consts, got):
+                        acc = fold(red.op, acc, value(fns[2 + 2 * k], el, consts, got))
+                got[red.name] = acc
+            return got
+
+        with _np_quiet():
+            for _ in range(trials):
+                consts = {o: (rng.choice(sample_values(o)) if o not in state_of else 0.0) for o in others}
+                for o in others:
+                    if o in state_of and state_of[o] not in chain:  # a state final before this pass: a constant
+                        consts[o] = rng.choice(sample_values(o))
+                n_pre = rng.choice((0, 0, 1, 2))
+                elems = [[float(j) if a == over else rng.choice(PROBE) for a in atoms]
+                         for j in range(n_pre + 1 + rng.randint(1, 2))]
+                x = elems[n_pre]
+                if not value(fns[1], x, consts, {}):
+                    continue
+                early = states_over(elems[:n_pre + 1], consts)
+                final = states_over(elems, consts)
+                safe = {d: next((sv for pt, sv in guards.get(d, []) if v == pt), v) for d, v in early.items()}
+                t_early = value(fns[0], x, consts, safe)
+                if math.isfinite(t_early) or not math.isfinite(value(fns[0], x, consts, final)):
+                    continue
+                total = float(MONOIDS[r.op].neutral)
+                for el in elems:
+                    if value(fns[1], el, consts, {}):
+                        total = fold(r.op, total, value(fns[0], el, consts, final))
+                if math.isfinite(total):
+                    shown = ", ".join(f"{a} = {v}" for a, v in zip(atoms, x) if a != over)
+                    at = ", ".join(f"{d} = {v}" for d, v in early.items())
+                    to = ", ".join(f"{d} = {v}" for d, v in final.items())
+                    return (f"the term {r.body} of an element ({shown}) is {t_early} at the states of the elements "
+                            f"seen so far ({at}) while the plain result over the row ({to}) is finite ({total}): "
+                            "the online and merged forms would carry inf or nan")
+        return None
 
     def _direction(self, d: str) -> int:
         """How a state moves as elements come: +1 up (a max, a sum of non-negative terms), -1 down (a min, a sum

@@ -8,6 +8,9 @@ mask counts no element, and is otherwise the plain value, NaN included.
 
 Where the plain math is NaN (0/0, inf - inf: an undefined value such as the softmax of a row of -inf) the oracle
 does not judge; every other value, infinities included, must be reproduced by the online and merged forms.
+Undefined propagates: on a row where a reduction's plain result is NaN, every output computed from it is
+undefined too, also where the later math would wash the NaN out (a predicate compared with NaN is False, a
+top-k ranks NaN keys after every number, so its indices would be numbers).
 
 The rows it draws are adversarial as well as random: exact zeros of both signs, -inf entries, values around 0,
 values whose exp overflows (1000) or underflows (-800), ties, and every tensor at once at such values.
@@ -95,6 +98,22 @@ class _Plain:
         self.ir = ir
         self.ev = Evaluator(ir, problem)  # the expression interpreter only: it is given no analysis
         self.results: dict[str, Any] = {}
+        self.undefined: dict[str, NA] = {}  # per reduction: where it is NaN or reads a result that is
+
+    def reads(self, expr: Any) -> list[str]:
+        """The reductions an expression reads (its state symbols and `name.field` entries)."""
+        if not isinstance(expr, sp.Basic):
+            return []
+        names = {s.name for s in expr.free_symbols if isinstance(s, sp.Symbol)}
+        names |= {str(a.base.label).split(".")[0] for a in expr.atoms(sp.Indexed)}
+        return [r.name for r in self.ir.reductions if r.name in names]
+
+    def undefined_from(self, exprs: list[Any]) -> NA:
+        """True where one of the reductions the expressions read is undefined."""
+        out = NA.scalar(False)
+        for name in dict.fromkeys(n for e in exprs for n in self.reads(e)):
+            out = lift(np.logical_or, out, self.undefined[name])
+        return out
 
     def env(self) -> dict[sp.Basic, NA]:
         env = self.ev.index_env()
@@ -136,6 +155,7 @@ class _Plain:
         for o in self.ir.outputs:
             env = self.env()
             v = self.ev.ev(o.value, env)
+            v = lift(lambda u, a: np.where(u, np.nan, a), self.undefined_from([o.value]), v)
             if o.empty is not None:
                 v = lift(np.where, empty, self.ev.ev(o.empty, env), v)
             sizes = dict(self.ev.sizes)
@@ -148,7 +168,12 @@ def evaluate_plain(ir: CascadeIR, problem: Problem) -> dict[str, np.ndarray]:
     """The plain unfused math of the cascade (see the module docstring)."""
     run = _Plain(ir, problem)
     for r in ir.reductions:
-        run.results[r.name] = run.reduce(r)
+        res = run.reduce(r)
+        run.results[r.name] = res
+        # a result that is NaN (undefined) makes everything computed from it undefined, also where the later math
+        # would wash the NaN out: a comparison with NaN is False, a top-k ranks NaN keys after every number
+        read = run.undefined_from([r.body, r.where, r.k, *[e for _, e in r.carry]])
+        run.undefined[r.name] = read if isinstance(res, dict) else lift(np.logical_or, read, lift(np.isnan, res))
     return run.outputs()
 
 
