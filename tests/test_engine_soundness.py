@@ -319,3 +319,34 @@ def test_outputs_read_from_an_undefined_result_are_not_judged():
         assert not np.any(np.isnan(ref[name][1])), (name, ref[name])
     assert list(ref["r2_i"][1]) == [2.0, 0.0]
     assert check_forms(case, prob, random.Random(0)) == []
+
+
+def test_a_max_that_counts_nothing_while_its_shift_moves_is_rejected():
+    """Found by the property test at 2,000 examples (ENGINE_SEED=777 and others): r0: max(x), r1: max(exp(x - r0),
+    where=x > 0). On x = [-inf, -1000, 0, 710] r1 counts nothing until 710 and stays at -inf while r0 moves from
+    -1000 to 0; the correction exp(-1000 - 0) underflows to 0 and -inf * 0 is nan; the plain result is 1."""
+    text = cascade({"r0": "max(x[t, e])", "r1": "max(exp(x[t, e] - r0), where=x[t, e] > 0)"}, {"r1": "r1"})
+    verdict = rejected_or_right(text, [problem([-np.inf, -1000.0, 0.0, 710.0])])
+    assert verdict.startswith("rejected: invertible") and "underflows to 0" in verdict, verdict
+    two = text + "  passes: 2\n"  # read in a second pass, r1 sees the final r0: right
+    assert rejected_or_right(two, [problem([-np.inf, -1000.0, 0.0, 710.0]), problem([3.0, -800.0])]) == "right"
+
+
+def test_a_correction_that_is_inf_where_a_state_reaches_inf_is_rejected():
+    """Found by the property test at 2,000 examples (ENGINE_SEED=33): r0: sum(0.5 + |y|) is inf on a row with
+    y = -inf, and r1: sum(r0**2 / (1 + |x + y|), where=x > 0) corrects by (r0_new / r0_old)**2 = inf: a state 0
+    (nothing counted yet) becomes nan where the plain math gives inf."""
+    text = cascade({"r0": "sum(0.5 + abs(v[t, e]))", "r1": "sum(r0 * r0 / (1 + abs(x[t, e] + v[t, e])), where=x[t, e] > 0)"},
+                   {"r1": "r1"})
+    verdict = rejected_or_right(text, [problem([-1.0, 2.0, 1.0], [1.0, -np.inf, 0.0])])
+    assert verdict.startswith("rejected: invertible") and "inf" in verdict, verdict
+
+
+def test_a_guard_on_a_sum_of_states_that_can_be_zero_is_not_taken():
+    """Found by the property test at 10,000 examples (ENGINE_SEED=8): r0: sum(exp(x), where=x > 0) is 0 on a row
+    with no positive x; r1: sum(r0) is then 0 on every prefix, not only the empty one. A guard r1 -> 1 at 0 made
+    r2: sum(r1) count 1 per element (4.0 where the plain math is 0): the proof read r0 as its regular stand-in."""
+    text = cascade({"r0": "sum(exp(x[t, e]), where=x[t, e] > 0)", "r1": "sum(r0)", "r2": "sum(r1)"}, {"r2": "r2"})
+    text += "  passes: 2\n"
+    verdict = rejected_or_right(text, [problem([-1.0, -2.0, -0.5, -3.0]), problem([1.0, -2.0])])
+    assert verdict.startswith("rejected: "), verdict

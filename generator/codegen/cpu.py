@@ -10,12 +10,21 @@ final states. Every formula is printed from the engine's sympy forms; nothing he
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import sympy as sp
 
 from ..spec import OpSpec, ScalarArg, TensorArg
 from ..symbolic.algebra import MONOIDS
-from ..symbolic.expr import entrysum, idiv, is_bool, isin
+from ..symbolic.expr import (
+    cast_bfloat16,
+    cast_e4m3,
+    cast_float16,
+    entrysum,
+    idiv,
+    is_bool,
+    isin,
+)
 from ..symbolic.forms import Analysis, OpAnalysis, ReductionForm, element_atoms
 from .cpp import CppPrinter, float_literal
 from .cpu_tiles import (
@@ -742,8 +751,9 @@ class _Kernel:
 
     def level_split(self, level: list[ReductionForm]) -> tuple[list[ReductionForm], list[ReductionForm]]:
         """(branch-free scalar sums and maxima, the others) of one level."""
-        scalar = [f for f in level if not f.selection and not f.free and not f.term.atoms(sp.Indexed)
-                  and self.a.mask_value and f.where in (sp.true, True)]
+        unmasked = self.ir.mask in (sp.true, True)  # every element of a chunk counts and may be read
+        scalar = [f for f in level if not f.selection and not f.free and f.where in (sp.true, True)
+                  and (unmasked or (self.a.mask_value and not f.term.atoms(sp.Indexed)))]
         return scalar, [f for f in level if f not in scalar]
 
     def correct(self, f: ReductionForm) -> None:
@@ -776,18 +786,28 @@ class _Kernel:
                 self.emit(f"float {acc} = {neutral};")
                 self.emit(f"float {acc}_l[{LANES}];")
                 self.emit(f"for (int u = 0; u < {LANES}; ++u) {acc}_l[u] = {neutral};")
+            # the chunk's constants (a state's function, 1 / sqrt(ss / N + eps)) once per chunk, not per element
+            varying = {a for f in forms for a in element_atoms(ir, f.term)}
+            varying |= {a for f in forms for a in f.term.atoms(sp.Indexed) if any(a.has(v) for v in varying)}
+            before = dict(self.local)
+            hoisted = [self.hoist(f.term, varying) for f in forms]
+            kept = {k: v for k, v in self.local.items() if k not in before}
             self.emit("int64_t jl = 0;")
             self.block(f"for (; jl + {LANES} <= cn; jl += {LANES})")
             self.block(f"for (int u = 0; u < {LANES}; ++u)")
             self.emit("const int64_t jj = jl + u;")
-            terms = self.cse([f.term for f in forms])
+            self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
+            self.emit(f"(void)ix_{ir.over};")
+            terms = self.cse(hoisted)
             for f, t in zip(forms, terms):
                 self.emit(f"{accs[f.name]}_l[u] = {self.fold(f.op, accs[f.name] + '_l[u]', self.pr.flt(t))};")
             self.end()
             self.end()
-            self.local = {}
+            self.local = dict(kept)
             self.block("for (int64_t jj = jl; jj < cn; ++jj)")
-            terms = self.cse([f.term for f in forms])
+            self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
+            self.emit(f"(void)ix_{ir.over};")
+            terms = self.cse(hoisted)
             for f, t in zip(forms, terms):
                 self.emit(f"{accs[f.name]} = {self.fold(f.op, accs[f.name], self.pr.flt(t))};")
             self.end()
@@ -1027,29 +1047,99 @@ class _Kernel:
             self.emit(f"{guard}{target} = {self.fold(f.op, target, self.pr.flt(f.body))};")
         self.end()
 
+    def hoist(self, expr: sp.Basic, varying: set[sp.Basic]) -> sp.Basic:
+        """expr with its loop-invariant float parts (those that read no atom of `varying`) computed once: each is
+        emitted here as a `const` and replaced by a fresh symbol that the printer resolves to it. In a product the
+        invariant factors become one (a division by a row constant becomes a multiplication by its reciprocal,
+        computed once); in a sum the invariant terms become one. Integer and boolean parts, contractions and
+        reads stay where they are."""
+
+        def moves(e: sp.Basic) -> bool:
+            return any(e.has(v) for v in varying)
+
+        def worth(e: sp.Basic) -> bool:
+            return (isinstance(e, sp.Expr) and not e.is_Atom and not isinstance(e, sp.Indexed)
+                    and not e.has(sp.Sum, entrysum, isin) and not is_bool(e) and not self.pr.is_int(e)
+                    and e not in self.local)
+
+        def lift(e: sp.Basic) -> sp.Basic:
+            name = self.fresh("hv")
+            self.emit(f"const float {name} = {self.pr.flt(e)};")
+            sym = sp.Symbol(name, real=True)
+            self.local[sym] = name
+            return sym
+
+        def walk(e: sp.Basic) -> sp.Basic:
+            if not isinstance(e, sp.Basic) or e.is_Atom or isinstance(e, sp.Indexed) or e in self.local:
+                return e
+            if not moves(e):
+                return lift(e) if worth(e) else e
+            if isinstance(e, (sp.Mul, sp.Add)) and not self.pr.is_int(e):
+                fixed = [a for a in e.args if not moves(a)]
+                rest = [walk(a) for a in e.args if moves(a)]
+                if fixed:
+                    part = e.func(*fixed)
+                    rest.append(lift(part) if worth(part) else part)
+                return e.func(*rest, evaluate=False)
+            if isinstance(e, sp.Piecewise):
+                return sp.Piecewise(*[(walk(v), walk(c)) for v, c in e.args], evaluate=False)
+            if isinstance(e, (sp.Sum, entrysum, isin)):
+                return e
+            return e.func(*[walk(a) for a in e.args], evaluate=False) if isinstance(e, sp.Expr) else \
+                e.func(*[walk(a) for a in e.args])
+
+        return walk(expr)
+
     def outputs(self) -> None:
         ir = self.ir
         for o in self.a.outputs:
             spec_out = next(x for x in self.spec.outputs if x.name == o.name)
             loops = [n for n in o.index if n not in ir.rows]
             self.emit(f"// output {o.name}")
-            for n in loops:
-                self.block(f"for (int64_t ix_{n} = 0; ix_{n} < ex_{n}; ++ix_{n})")
-            if o.per_element:
-                self.emit("const int64_t jj = 0;")
-                self.emit(f"const int64_t c0 = ix_{ir.over};")
-                self.emit("(void)c0;")
-                for let in self.sorted_element_lets():
-                    self.emit_let(let)
-            off = " + ".join(f"ix_{n} * ost_{o.name}[{d}]" for d, n in enumerate(o.index))
-            ty = self.types[f"out:{o.name}"]
-            if ty == "int32_t":
-                self.emit(f"o_{o.name}[{off}] = static_cast<int32_t>({self.pr(o.value)});")
-            else:
-                self.emit(f"rf::store(&o_{o.name}[{off}], {self.pr.flt(o.value)});")
-            for _ in loops:
+            value = o.value
+            store_rounds = {"rf::e4m3_t": cast_e4m3, "rf::half_t": cast_float16, "rf::bf16_t": cast_bfloat16}
+            if type(value) is store_rounds.get(self.types[f"out:{o.name}"]):
+                value = value.args[0]  # the store rounds to the output's type: the same value, one conversion
+            if o.per_element:  # row constants of a per-element value: once per row, not once per element
+                varying = set(element_atoms(ir, value)) | {ir.indices[n] for n in loops}
+                varying |= {a for a in value.atoms(sp.Indexed) if any(a.has(v) for v in varying)}
+                value = self.hoist(value, varying)
+            last = len(o.index) - 1
+            # a per-element output whose innermost index is the streamed one gets a copy of its loops for a unit
+            # inner stride (the usual case: outputs are allocated contiguous), which the compiler can vectorise
+            unit = o.per_element and o.index[last] == ir.over
+            if unit:
+                self.block(f"if (ost_{o.name}[{last}] == 1)")
+            saved = dict(self.local)
+            self.output_loops(o, loops, value, unit)
+            if unit:
+                self.end()
+                self.block("else")
+                self.local = saved
+                self.output_loops(o, loops, value, False)
                 self.end()
             del spec_out
+
+    def output_loops(self, o: Any, loops: list[str], value: sp.Basic, unit: bool) -> None:
+        ir = self.ir
+        for n in loops:
+            self.block(f"for (int64_t ix_{n} = 0; ix_{n} < ex_{n}; ++ix_{n})")
+        if o.per_element:
+            self.emit("const int64_t jj = 0;")
+            self.emit(f"const int64_t c0 = ix_{ir.over};")
+            self.emit("(void)c0;")
+            for let in self.sorted_element_lets():
+                self.emit_let(let)
+        last = len(o.index) - 1
+        off = " + ".join(f"ix_{n}" if unit and d == last else f"ix_{n} * ost_{o.name}[{d}]"
+                         for d, n in enumerate(o.index))
+        ty = self.types[f"out:{o.name}"]
+        if ty == "int32_t":
+            self.emit(f"o_{o.name}[{off}] = static_cast<int32_t>({self.pr(value)});")
+        else:
+            self.emit(f"rf::store(&o_{o.name}[{off}], {self.pr.flt(value)});")
+        for _ in loops:
+            self.end()
 
 
 # --------------------------------------------------------------------------------------------- the file

@@ -487,6 +487,15 @@ class _Analyzer:
                     return Refusal("invertible", f"the correction {dd.correction} overflows to inf in floating point "
                                    f"as the states move (e.g. from {bad[0]} to {bad[1]}): a state of 0 becomes nan "
                                    "and a finite one inf")
+        if r.op in ("max", "min") and dec.kind == "*":
+            moves = [(old[self.ir.states[x]], new[self.ir.states[x]], self._direction(x)) for x in online
+                     if dec.correction.has(old[self.ir.states[x]])]
+            bad = correction_overflows(dec.correction, moves, self.rng, vanish=True) if moves else None
+            stuck = self._can_stay_neutral(r, online) if bad is not None else None
+            if stuck is not None:
+                return Refusal("invertible", f"the correction {dec.correction} underflows to 0 as the states move "
+                               f"(e.g. from {bad[0]} to {bad[1]}) while '{r.name}' can still be at its neutral "
+                               f"{MONOIDS[r.op].neutral} ({stuck}): {MONOIDS[r.op].neutral} * 0 is nan")
         inv = self._invertible(r, online, [dec] + [p[2] for p in payloads])
         if isinstance(inv, Refusal):
             return inv
@@ -506,6 +515,36 @@ class _Analyzer:
                                    pd.correction.xreplace(to_values)) for n, e, pd in payloads),
             conditions=tuple(conditions), loc=r.loc,
         )
+
+    def _can_stay_neutral(self, r: Reduction, online: list[str]) -> str | None:
+        """Why the state of a max/min r can be at its neutral (-inf/+inf) after elements have moved its online
+        states, or None: r counts fewer elements than they do (its where=), or its term takes the neutral value
+        at some element (x * exp(-m) at x = -inf)."""
+        neutral = float(MONOIDS[r.op].neutral)
+        if any(not _implies(self.ir.reduction(d).where, r.where) for d in online):
+            return f"it counts only where {r.where}"
+        body = strip_casts(r.body)
+        atoms = element_atoms(self.ir, body, outermost=True)
+        sub = {a: sp.Dummy(f"x{k}", real=True) for k, a in enumerate(atoms)}
+        others = sorted(body.xreplace(sub).free_symbols - set(sub.values()), key=str)
+        try:
+            fn = np_lambdify([*sub.values(), *others], body.xreplace(sub))
+        except (ValueError, TypeError, KeyError, NameError):
+            return "its term could not be evaluated"
+        import numpy as np
+
+        rng = random.Random(99)
+        with _np_quiet():
+            for _ in range(200):
+                vals = [rng.choice(PROBE) for _ in atoms] + [rng.choice(sample_values(o)) for o in others]
+                try:
+                    v = float(np.asarray(fn(*[np.float64(x) for x in vals])))
+                except (ValueError, TypeError, ZeroDivisionError, OverflowError, NameError):
+                    continue
+                if v == neutral:
+                    shown = ", ".join(f"{a} = {x}" for a, x in zip(atoms, vals))
+                    return f"its term is {neutral} at {shown}"
+        return None
 
     def _early_term_not_finite(self, r: Reduction, online: list[str], trials: int = 300) -> str | None:
         """The online form evaluates an element's term F(x, D) at the states D of the elements seen so far (a
@@ -697,8 +736,10 @@ class _Analyzer:
                 return f"{d} = {dep.op}({b}) passes through {point} on prefixes of elements of either sign"
         # every element of such a prefix has b = target: find them, and what they contribute to r
         empty = UNREACHABLE if point != MONOIDS[dep.op].neutral else None  # the empty prefix is at the neutral value
-        if not atoms:
-            return empty if (b - target).is_zero is False else f"every element makes {d} = {point}"
+        if not atoms:  # a term of states only: read them as the values they can take, degenerate ones included
+            # (r1 = sum(r0) with r0 = sum(exp(x), where=x > 0) is 0 on a row where r0 counted nothing)
+            b_values = strip_casts(dep.body)
+            return empty if (b_values - target).is_zero is False else f"every element makes {d} = {point}"
         if len(atoms) != 1:
             return f"cannot tell which elements make {d} = {point} (its body reads {len(atoms)} element values)"
         a = atoms[0]
