@@ -145,6 +145,28 @@ inline float sigmoid(float x) { return 1.0f / (1.0f + redfuser::cpu::exp(-x)); }
 inline float max(float a, float b) { return (a > b || a != a) ? a : b; }
 inline float min(float a, float b) { return (a < b || a != a) ? a : b; }
 inline int64_t max(int64_t a, int64_t b) { return a > b ? a : b; }
+// int32 keys whose signed order is the order of the floats (-0 just below +0), for vectorised lane-wise max/min:
+// fkey_hi puts every NaN above +inf (a max keeps it), fkey_lo below -inf (a min keeps it); unkey gives the float
+// back (a NaN as a quiet NaN). An integer max/min vectorises where a NaN-propagating float select does not.
+inline int32_t fkey_bits(uint32_t b) {
+  return static_cast<int32_t>(b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) & 0x7FFFFFFFu));
+}
+inline int32_t fkey_hi(float f) {
+  const uint32_t b = float_bits(f);
+  return fkey_bits((b & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : b);
+}
+inline int32_t fkey_lo(float f) {
+  const uint32_t b = float_bits(f);
+  return fkey_bits((b & 0x7FFFFFFFu) > 0x7F800000u ? 0xFFC00000u : b);
+}
+inline float unkey(int32_t k) { return bits_float(static_cast<uint32_t>(fkey_bits(static_cast<uint32_t>(k)))); }
+inline int32_t kmax(int32_t a, int32_t b) { return a > b ? a : b; }
+// a ? b : c of floats through bit masks (both evaluated): vectorises where the generated ternary does not
+inline float sel(bool c, float a, float b) {
+  const uint32_t m = 0u - static_cast<uint32_t>(c);
+  return bits_float((float_bits(a) & m) | (float_bits(b) & ~m));
+}
+inline int32_t kmin(int32_t a, int32_t b) { return a < b ? a : b; }
 inline int64_t min(int64_t a, int64_t b) { return a < b ? a : b; }
 
 constexpr float kInf = std::numeric_limits<float>::infinity();

@@ -321,15 +321,20 @@ def test_outputs_read_from_an_undefined_result_are_not_judged():
     assert check_forms(case, prob, random.Random(0)) == []
 
 
-def test_a_max_that_counts_nothing_while_its_shift_moves_is_rejected():
+def test_a_max_that_counts_nothing_while_its_shift_moves_keeps_its_neutral():
     """Found by the property test at 2,000 examples (ENGINE_SEED=777 and others): r0: max(x), r1: max(exp(x - r0),
     where=x > 0). On x = [-inf, -1000, 0, 710] r1 counts nothing until 710 and stays at -inf while r0 moves from
-    -1000 to 0; the correction exp(-1000 - 0) underflows to 0 and -inf * 0 is nan; the plain result is 1."""
+    -1000 to 0; the correction exp(-1000 - 0) underflows to 0 and -inf * 0 was nan; the plain result is 1. The
+    correction of a max or min at its neutral is now the identity (-inf times a positive factor is -inf)."""
     text = cascade({"r0": "max(x[t, e])", "r1": "max(exp(x[t, e] - r0), where=x[t, e] > 0)"}, {"r1": "r1"})
-    verdict = rejected_or_right(text, [problem([-np.inf, -1000.0, 0.0, 710.0])])
-    assert verdict.startswith("rejected: invertible") and "underflows to 0" in verdict, verdict
-    two = text + "  passes: 2\n"  # read in a second pass, r1 sees the final r0: right
-    assert rejected_or_right(two, [problem([-np.inf, -1000.0, 0.0, 710.0]), problem([3.0, -800.0])]) == "right"
+    case = analyze(parse_spec(text, "c.yaml")).cases[0]
+    assert "Eq(r1_old, -oo)" in str(case.form("r1").correction)
+    rows = [problem([-np.inf, -1000.0, 0.0, 710.0]), problem([3.0, -800.0]), problem([-5.0, -1.0])]
+    assert rejected_or_right(text, rows, cut=2) == "right"
+    # and where a sum jumps from 0 to a value whose shift underflows (r1 = sum(r0 * r0) in two passes)
+    two = cascade({"r0": "sum(x[t, e], where=x[t, e] > 0)", "r1": "sum(r0 * r0)", "r2": "max(exp(x[t, e] - r1))"},
+                  {"r2": "r2"}) + "  passes: 2\n"
+    assert rejected_or_right(two, [problem([-2.0, -1e-300, -745.5, 1000.0, 1e-300])]) == "right"
 
 
 def test_a_correction_that_is_inf_where_a_state_reaches_inf_is_rejected():

@@ -120,6 +120,23 @@ def test_rms_norm_fp8_quant_non_finite_rows():
     judge_quant(q[3:], scale[3:], x[3:], w, 1e-6)
 
 
+def test_rms_norm_fp8_quant_row_whose_sum_of_squares_overflows():
+    """All math in float32: a row of finite values whose sum of squares overflows float32 (1e20**2) has rsqrt = 0,
+    y = 0, the floor scale and q = 0, as the float32 reference gives; the online form kept the correction of the
+    abs-max at ss_old = ss_new = inf as inf / inf = NaN until the engine made it the identity there."""
+    gen = torch.Generator().manual_seed(11)
+    x = rows_of(3, 40, torch.float32, gen).contiguous()
+    x[0, 3] = 1e20
+    x[1, :] = 3e19  # every square overflows
+    w = weight_of(40, torch.float32, gen)
+    q, scale = torch.ops.redfuser.rms_norm_fp8_quant(x, w, 1e-6)
+    ref_q, ref_s = rq_reference(x, w, 1e-6, dtype=torch.float32)
+    for r in range(2):
+        assert ref_s[r] == 1 / (448 * 512) and (ref_q[r] == 0).all()
+        assert scale[r] == ref_s[r] and (q[r].float() == 0).all(), (scale[r], q[r])
+    judge_quant(q[2:], scale[2:], x[2:], w, 1e-6)
+
+
 def test_rms_norm_fp8_quant_checks():
     x, w = torch.randn(3, 8), torch.randn(8)
     with pytest.raises(RuntimeError, match="eps must be positive"):

@@ -42,8 +42,11 @@ def float_literal(v: float) -> str:
 class CppPrinter:
     """Prints sympy expressions as C++; `resolve(node)` returns C++ text for leaves it knows (or None)."""
 
-    def __init__(self, resolve: Callable[[sp.Basic], str | None]):
+    def __init__(self, resolve: Callable[[sp.Basic], str | None], selects: bool = False):
         self.resolve = resolve
+        # selects: a two-way float choice whose branches read no tensor and divide no integer is printed as
+        # rf::sel (both evaluated, chosen by bit masks), which vectorises where a branch does not (CPU kernels)
+        self.selects = selects
 
     def __call__(self, expr: sp.Basic) -> str:
         return self.p(expr)
@@ -133,6 +136,10 @@ class CppPrinter:
         if isinstance(e, sp.Mod):
             return f"rf::imod({self.p(e.args[0])}, {self.p(e.args[1])})"
         if isinstance(e, sp.Piecewise):
+            if self.selects and len(e.args) == 2 and e.args[1][1] in (sp.true, True) and not self.is_int(e) \
+                    and all(self.safe_both(v) for v, _ in e.args):
+                (a, cond), (b, _) = e.args
+                return f"rf::sel({self.p(cond)}, {self.flt(a)}, {self.flt(b)})"
             out = self.val(e.args[-1][0], e)
             for value, cond in reversed(e.args[:-1]):
                 out = f"(({self.p(cond)}) ? {self.val(value, e)} : {out})"
@@ -151,6 +158,13 @@ class CppPrinter:
         if isinstance(e, (entrysum, isin)):
             raise TypeError(f"{e} must be resolved by the kernel emitter")
         raise NotImplementedError(f"no C++ for {e!r} ({type(e).__name__})")
+
+    def safe_both(self, e: sp.Basic) -> bool:
+        """e may be evaluated where its branch is not taken: float math on values at hand, no tensor read (its
+        index may be out of bounds there), no integer division, no selection entry."""
+        if not isinstance(e, sp.Basic):
+            return True
+        return not e.atoms(sp.Indexed, idiv, sp.Mod, entrysum, isin, sp.Sum)
 
     def flt(self, e: sp.Basic) -> str:
         """e as a float value (integers converted)."""

@@ -37,6 +37,7 @@ from .cpu_tiles import (
 )
 
 CHUNK = 64
+ROW_CHUNK = 512  # the chunk of plain row kernels (see CpuKernel.chunk)
 LANES = 16  # partial results of a branch-free reduction over a chunk (one vector of floats on AVX-512)
 UNROLL = 4  # elements of a chunk that share one pass over a contraction axis or a free axis
 # one copy of each kernel per x86-64 level, chosen at load time (glibc ifunc): AVX-512 / AVX2+FMA / baseline,
@@ -183,12 +184,17 @@ class _Kernel:
         self.sels = _sel_fields(a)
         self.hoisted: dict[sp.Basic, str] = {}  # row-invariant contraction factors -> row buffers
         self.local: dict[sp.Basic, str] = {}  # temporaries (cse, contractions)
-        self.pr = CppPrinter(self.resolve)
+        self.pr = CppPrinter(self.resolve, selects=True)
         self.floats = set(float_inputs(spec))  # unit last-dimension stride (the glue sees to it)
         self.native = native  # read in their own dtype (see native_inputs)
         self.tabled = self.row_invariant_lets()
         self.key_arrays = {f.name for f in a.reductions if f.stage == "stream" and self.precomputed_key(f)}
         self.plan = block_plan(self)
+        # rows of plain element math (no block plan, selection, carried index or contraction) stream in longer
+        # chunks: the per-chunk work (the states' corrections, folding the vector lanes) is then a small part
+        plain = self.plan is None and not any(f.selection or f.free for f in a.reductions) and \
+            not any(let.expr.has(sp.Sum) for let in self.ir.element_lets if isinstance(let.expr, sp.Basic))
+        self.chunk = ROW_CHUNK if plain else CHUNK
         for f in a.reductions:
             for d in f.online_deps:
                 dep = a.form(d)
@@ -367,12 +373,12 @@ class _Kernel:
         ir = self.ir
         for let in ir.element_lets:
             ty = "int64_t" if let.symbol.is_integer else "float"
-            self.emit(f"{ty} el_{let.name}[{CHUNK}];")
-        self.emit(f"uint8_t el_ok[{CHUNK}];   // mask holds")
-        self.emit(f"uint8_t el_cnt[{CHUNK}];  // counted by non-selection reductions (mask, not the mask value)")
+            self.emit(f"{ty} el_{let.name}[{self.chunk}];")
+        self.emit(f"uint8_t el_ok[{self.chunk}];   // mask holds")
+        self.emit(f"uint8_t el_cnt[{self.chunk}];  // counted by non-selection reductions (mask, not the mask value)")
         for f in self.a.reductions:
             if f.name in self.key_arrays:
-                self.emit(f"float elk_{f.name}[{CHUNK}];  // selection keys of a chunk, computed branch-free")
+                self.emit(f"float elk_{f.name}[{self.chunk}];  // selection keys of a chunk, computed branch-free")
 
     def row_invariant_lets(self) -> set[str]:
         """Element lets that depend on the reduction index and on sizes and scalar arguments only (the expert group
@@ -494,8 +500,8 @@ class _Kernel:
         for f in forms:
             self.init_state(f)
         if forms:
-            self.block(f"for (int64_t c0 = 0; c0 < ex_{self.ir.over}; c0 += {CHUNK})")
-            self.emit(f"const int64_t cn = std::min<int64_t>({CHUNK}, ex_{self.ir.over} - c0);")
+            self.block(f"for (int64_t c0 = 0; c0 < ex_{self.ir.over}; c0 += {self.chunk})")
+            self.emit(f"const int64_t cn = std::min<int64_t>({self.chunk}, ex_{self.ir.over} - c0);")
             self.element_prologue(forms)
             self.chunk_levels(forms)
             self.end()
@@ -654,7 +660,7 @@ class _Kernel:
         ir = self.ir
         c = s.limits[0][0]
         buf = self.fresh("dots")
-        self.emit(f"float {buf}[{CHUNK}];  // {s}")
+        self.emit(f"float {buf}[{self.chunk}];  // {s}")
         scalar_body = f"{self.pr.flt(s.function)}"
         saved = dict(self.local)
         parts = []
@@ -779,13 +785,20 @@ class _Kernel:
         if not branch:  # vectorisable reductions into LANES partial results (a sum and a NaN-propagating max alike)
             self.block("")
             accs = {}
+            # a max/min folds its lanes as int32 keys ordered as the floats (NaN past every number): an integer
+            # max vectorises, a NaN-propagating float select does not
+            keyed = {"max": "hi", "min": "lo"}
             for f in forms:
                 acc = self.fresh("acc")
                 accs[f.name] = acc
                 neutral = float_literal(float(f.neutral))
                 self.emit(f"float {acc} = {neutral};")
-                self.emit(f"float {acc}_l[{LANES}];")
-                self.emit(f"for (int u = 0; u < {LANES}; ++u) {acc}_l[u] = {neutral};")
+                if f.op in keyed:
+                    self.emit(f"int32_t {acc}_l[{LANES}];")
+                    self.emit(f"for (int u = 0; u < {LANES}; ++u) {acc}_l[u] = rf::fkey_{keyed[f.op]}({neutral});")
+                else:
+                    self.emit(f"float {acc}_l[{LANES}];")
+                    self.emit(f"for (int u = 0; u < {LANES}; ++u) {acc}_l[u] = {neutral};")
             # the chunk's constants (a state's function, 1 / sqrt(ss / N + eps)) once per chunk, not per element
             varying = {a for f in forms for a in element_atoms(ir, f.term)}
             varying |= {a for f in forms for a in f.term.atoms(sp.Indexed) if any(a.has(v) for v in varying)}
@@ -800,7 +813,11 @@ class _Kernel:
             self.emit(f"(void)ix_{ir.over};")
             terms = self.cse(hoisted)
             for f, t in zip(forms, terms):
-                self.emit(f"{accs[f.name]}_l[u] = {self.fold(f.op, accs[f.name] + '_l[u]', self.pr.flt(t))};")
+                lane = accs[f.name] + "_l[u]"
+                if f.op in keyed:
+                    self.emit(f"{lane} = rf::k{f.op}({lane}, rf::fkey_{keyed[f.op]}({self.pr.flt(t)}));")
+                else:
+                    self.emit(f"{lane} = {self.fold(f.op, lane, self.pr.flt(t))};")
             self.end()
             self.end()
             self.local = dict(kept)
@@ -813,7 +830,8 @@ class _Kernel:
             self.end()
             for f in forms:
                 acc = accs[f.name]
-                self.emit(f"for (int u = 0; u < {LANES}; ++u) {acc} = {self.fold(f.op, acc, acc + '_l[u]')};")
+                lane = f"rf::unkey({acc}_l[u])" if f.op in keyed else acc + "_l[u]"
+                self.emit(f"for (int u = 0; u < {LANES}; ++u) {acc} = {self.fold(f.op, acc, lane)};")
                 self.emit(f"st_{f.name} = {self.fold(f.op, f'st_{f.name}', acc)};")
             self.end()
             self.local = {}
@@ -841,7 +859,7 @@ class _Kernel:
         pre = self.branch_free(outer)
         if pre:  # the element factor (p_j) for the whole chunk in one vectorisable loop
             wbuf = self.fresh("elw")
-            self.emit(f"float {wbuf}[{CHUNK}];")
+            self.emit(f"float {wbuf}[{self.chunk}];")
             self.block("for (int64_t jj = 0; jj < cn; ++jj)")
             self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
             self.emit(f"(void)ix_{ir.over};")
@@ -1051,25 +1069,33 @@ class _Kernel:
         """expr with its loop-invariant float parts (those that read no atom of `varying`) computed once: each is
         emitted here as a `const` and replaced by a fresh symbol that the printer resolves to it. In a product the
         invariant factors become one (a division by a row constant becomes a multiplication by its reciprocal,
-        computed once); in a sum the invariant terms become one. Integer and boolean parts, contractions and
-        reads stay where they are."""
+        computed once); in a sum the invariant terms become one. Row-invariant tensor reads (a target index
+        target[t]) are read once. Boolean parts and contractions stay where they are."""
 
         def moves(e: sp.Basic) -> bool:
             return any(e.has(v) for v in varying)
 
+        def read(e: sp.Basic) -> bool:  # a read of an input tensor (not of a selection's entries)
+            return isinstance(e, sp.Indexed) and str(e.base.label) in self.ir.tensors
+
         def worth(e: sp.Basic) -> bool:
+            if read(e):
+                return e not in self.local
             return (isinstance(e, sp.Expr) and not e.is_Atom and not isinstance(e, sp.Indexed)
                     and not e.has(sp.Sum, entrysum, isin) and not is_bool(e) and not self.pr.is_int(e)
                     and e not in self.local)
 
         def lift(e: sp.Basic) -> sp.Basic:
             name = self.fresh("hv")
-            self.emit(f"const float {name} = {self.pr.flt(e)};")
-            sym = sp.Symbol(name, real=True)
+            whole = self.pr.is_int(e)
+            self.emit(f"const {'int64_t' if whole else 'float'} {name} = {self.pr(e) if whole else self.pr.flt(e)};")
+            sym = sp.Symbol(name, integer=True) if whole else sp.Symbol(name, real=True)
             self.local[sym] = name
             return sym
 
         def walk(e: sp.Basic) -> sp.Basic:
+            if read(e) and not moves(e):
+                return lift(e) if worth(e) else e
             if not isinstance(e, sp.Basic) or e.is_Atom or isinstance(e, sp.Indexed) or e in self.local:
                 return e
             if not moves(e):

@@ -437,13 +437,11 @@ def probe_body(body: sp.Expr, atom: sp.Basic, rng: random.Random, combos: int = 
 
 
 def correction_overflows(c: sp.Expr, moves: list[tuple[sp.Symbol, sp.Symbol, int]],
-                         rng: random.Random, trials: int = 200, vanish: bool = False) -> tuple[float, float] | None:
+                         rng: random.Random, trials: int = 200) -> tuple[float, float] | None:
     """A multiplicative correction c(old -> new) that overflows to +-inf in float64 for states that move as they
     can (moves: (old, new, direction), +1: new >= old as for a max or a sum of non-negative terms, -1: new <= old,
     0: either way), e.g. exp(m_old - m_new) for a min m. Such a correction turns a state 0 into nan and a finite
-    state into inf where the plain math is finite. Returns an (old, new) pair where it does, else None.
-    vanish: look for a correction that underflows to exactly 0 instead (exp(m_old - m_new) for a max m moving
-    from -1000 to 0), which turns a state at +-inf into nan."""
+    state into inf where the plain math is finite. Returns an (old, new) pair where it does, else None."""
     import numpy as np
 
     # states reach the infinities too (a sum of |y| with y = -inf, a max of inf): inf / inf is nan, not inf, but
@@ -476,7 +474,7 @@ def correction_overflows(c: sp.Expr, moves: list[tuple[sp.Symbol, sp.Symbol, int
                     v = complex(f(*[np.float64(x) for x in args]))
                 except (ValueError, ZeroDivisionError, OverflowError, TypeError, NameError):
                     continue
-                if v.imag == 0 and (v.real == 0.0 if vanish else math.isinf(v.real)):
+                if v.imag == 0 and math.isinf(v.real):
                     return pair
     return None
 

@@ -551,6 +551,8 @@ class _Run:
                 for d in f.online_deps:
                     self.bind_guarded(env, d, before[d], "old")
                     self.bind_guarded(env, d, state[d], "new")
+                if not f.selection:  # a correction may read the state it corrects (a max still at -inf)
+                    self._bind(env, f.name, before[f.name], "old")
                 corrected = self.correct(f, before[f.name], env)
                 state[f.name] = self.combine(f, corrected, self.chunk_state(f, env), env)
         return state
@@ -566,6 +568,8 @@ class _Run:
                 for d in f.online_deps:
                     self.bind_guarded(env, d, seg[d], "old")
                     self.bind_guarded(env, d, merged[d], "new")
+                if not f.selection:
+                    self._bind(env, f.name, seg[f.name], "old")
                 part = self.correct(f, seg[f.name], env)
                 acc = part if acc is None else self.combine(f, acc, part, env)
             merged[f.name] = acc

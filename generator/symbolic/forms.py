@@ -487,15 +487,6 @@ class _Analyzer:
                     return Refusal("invertible", f"the correction {dd.correction} overflows to inf in floating point "
                                    f"as the states move (e.g. from {bad[0]} to {bad[1]}): a state of 0 becomes nan "
                                    "and a finite one inf")
-        if r.op in ("max", "min") and dec.kind == "*":
-            moves = [(old[self.ir.states[x]], new[self.ir.states[x]], self._direction(x)) for x in online
-                     if dec.correction.has(old[self.ir.states[x]])]
-            bad = correction_overflows(dec.correction, moves, self.rng, vanish=True) if moves else None
-            stuck = self._can_stay_neutral(r, online) if bad is not None else None
-            if stuck is not None:
-                return Refusal("invertible", f"the correction {dec.correction} underflows to 0 as the states move "
-                               f"(e.g. from {bad[0]} to {bad[1]}) while '{r.name}' can still be at its neutral "
-                               f"{MONOIDS[r.op].neutral} ({stuck}): {MONOIDS[r.op].neutral} * 0 is nan")
         inv = self._invertible(r, online, [dec] + [p[2] for p in payloads])
         if isinstance(inv, Refusal):
             return inv
@@ -515,36 +506,6 @@ class _Analyzer:
                                    pd.correction.xreplace(to_values)) for n, e, pd in payloads),
             conditions=tuple(conditions), loc=r.loc,
         )
-
-    def _can_stay_neutral(self, r: Reduction, online: list[str]) -> str | None:
-        """Why the state of a max/min r can be at its neutral (-inf/+inf) after elements have moved its online
-        states, or None: r counts fewer elements than they do (its where=), or its term takes the neutral value
-        at some element (x * exp(-m) at x = -inf)."""
-        neutral = float(MONOIDS[r.op].neutral)
-        if any(not _implies(self.ir.reduction(d).where, r.where) for d in online):
-            return f"it counts only where {r.where}"
-        body = strip_casts(r.body)
-        atoms = element_atoms(self.ir, body, outermost=True)
-        sub = {a: sp.Dummy(f"x{k}", real=True) for k, a in enumerate(atoms)}
-        others = sorted(body.xreplace(sub).free_symbols - set(sub.values()), key=str)
-        try:
-            fn = np_lambdify([*sub.values(), *others], body.xreplace(sub))
-        except (ValueError, TypeError, KeyError, NameError):
-            return "its term could not be evaluated"
-        import numpy as np
-
-        rng = random.Random(99)
-        with _np_quiet():
-            for _ in range(200):
-                vals = [rng.choice(PROBE) for _ in atoms] + [rng.choice(sample_values(o)) for o in others]
-                try:
-                    v = float(np.asarray(fn(*[np.float64(x) for x in vals])))
-                except (ValueError, TypeError, ZeroDivisionError, OverflowError, NameError):
-                    continue
-                if v == neutral:
-                    shown = ", ".join(f"{a} = {x}" for a, x in zip(atoms, vals))
-                    return f"its term is {neutral} at {shown}"
-        return None
 
     def _early_term_not_finite(self, r: Reduction, online: list[str], trials: int = 300) -> str | None:
         """The online form evaluates an element's term F(x, D) at the states D of the elements seen so far (a
@@ -802,24 +763,64 @@ class _Analyzer:
             return f
         by_state = {g.state: g for g in guards}
         sub_new = {self.syms[d]["new"]: self.syms[d]["new_safe"] for d in f.online_deps if d in by_state}
-        # results of earlier passes are read through their guards too
+        # results of earlier passes are read through their guards too, where the guard is sound for this reader
         sub_final = {self.ir.states[d]: self.syms[d]["safe"] for d in f.final_deps
-                     if d in by_state and d in self.ir.states}
+                     if d in by_state and d in self.ir.states and self._final_guard_sound(f, d)}
         sub_new = {**sub_new, **sub_final}
         return ReductionForm(
             **{
                 **f.__dict__,
                 "pass_no": self.pass_of[f.name],
                 "term": f.term.xreplace(sub_new),
-                "correction": self._guard_correction(f.correction, f.kind, f.online_deps, by_state, sub_new),
+                "correction": self._guard_correction(f.correction, f.kind, f.online_deps, by_state, sub_new, f),
                 "payloads": tuple(
                     Payload(p.name, p.expr, p.term.xreplace(sub_new), p.kind, p.correction) for p in f.payloads
                 ),
             }
         )
 
+    def _final_guard_sound(self, f: ReductionForm, d: str) -> bool:
+        """Whether f may read the final state d (of an earlier pass) through d's guard: on a row where d is at a
+        guarded point, every element f counts must contribute f's neutral element, also with the safe value (the
+        proof of _reached_only_empty, with the whole row as the prefix). Else f reads d as it is, which is the plain
+        math: r1 = sum(r0 * r0) with r0 = max(x, where=x > 0) is inf on a row with no positive x, not 0."""
+        r = self.ir.reduction(f.name)
+        if f.selection:  # a key read through the guard keeps its order (moe_route: every key of an all -inf row
+            return True  # is 0 instead of nan, ranked by index either way); the proof below is about neutrals
+        for gp in self.guard_points.get(d, []):
+            before = len(self.undefined)
+            why = self._reached_only_empty(r, d, gp)
+            if len(self.undefined) > before:  # the plain math is nan there: read as it is (nan too)
+                del self.undefined[before:]
+                return False
+            if why and why != UNREACHABLE:
+                return False
+        return True
+
+    def _nan_when_infinite(self, c: sp.Expr, d: str) -> bool:
+        """The correction c is nan in floating point where state d stays at +inf or -inf (old = new)."""
+        import numpy as np
+
+        old, new = self.syms[d]["old"], self.syms[d]["new"]
+        others = sorted(c.free_symbols - {old, new}, key=str)
+        try:
+            fn = np_lambdify([old, new, *others], c)
+        except (ValueError, TypeError, KeyError, NameError):
+            return True
+        rng = random.Random(5)
+        with _np_quiet():
+            for inf in (math.inf, -math.inf):
+                for _ in range(4):
+                    try:
+                        v = complex(np.asarray(fn(inf, inf, *[np.float64(rng.choice(sample_values(o))) for o in others])))
+                    except (ValueError, TypeError, ZeroDivisionError, OverflowError, NameError):
+                        return True
+                    if math.isnan(v.real):
+                        return True
+        return False
+
     def _guard_correction(self, c: sp.Expr, kind: str, deps: tuple[str, ...], by_state: dict[str, Guard],
-                          sub_new: dict) -> sp.Expr:
+                          sub_new: dict, f: ReductionForm | None = None) -> sp.Expr:
         """c(D_old -> D_new) with guards. Where an old state is at a degenerate value the prefix contributed only
         neutral elements (proved when the guard was derived), so the state is neutral and the identity correction
         is exact; it also avoids overflow (exp(0 - m_new) for a very negative m_new times a zero state).
@@ -829,6 +830,17 @@ class _Analyzer:
         regular = c.xreplace(sub_new)
         degenerate = [sp.Eq(self.syms[d]["old"], point) for d in deps if d in by_state
                       for point, _ in by_state[d].points]
+        # a sum that has overflowed stays at inf: c(inf -> inf) is inf / inf or exp(inf - inf), nan, where the
+        # identity is exact (rms_norm's sqrt(N eps + ss_old) / sqrt(N eps + ss_new) on a row whose sum of squares
+        # overflows: the plain norm is 0, not nan). A max reaches inf only through an element that is inf.
+        degenerate += [sp.Eq(self.syms[d]["old"], self.syms[d]["new"]) for d in deps
+                       if not MONOIDS[self.ir.reduction(d).op].neutral.is_infinite
+                       and self._nan_when_infinite(c, d)]
+        # a max/min still at its neutral (nothing counted yet) stays there: the correction is a positive factor
+        # (distributivity), and -inf * c = -inf, except where c underflows to 0 or is inf / inf (nan): rms_norm's
+        # abs-max before the first element, when the sum of squares jumps from 0 to inf in the first chunk
+        if f is not None and kind == "*" and f.op in ("max", "min"):
+            degenerate.append(sp.Eq(self.syms[f.name]["old"], MONOIDS[f.op].neutral))
         if not degenerate:
             return regular
         identity = sp.Integer(1) if kind == "*" else sp.Integer(0)

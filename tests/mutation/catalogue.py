@@ -236,8 +236,8 @@ MUTANTS: list[Mutant] = [
       "e4m3 subnormals decode at half their value (wrong exponent of the subnormal range)",
       ("tests/test_dtype_exact.py", "-k", "fp8"), ),
     M("cpu-chunk-tail-dropped", "generator/codegen/cpu.py",
-      'self.block(f"for (int64_t c0 = 0; c0 < ex_{self.ir.over}; c0 += {CHUNK})")',
-      'self.block(f"for (int64_t c0 = 0; c0 + {CHUNK} <= ex_{self.ir.over}; c0 += {CHUNK})")',
+      'self.block(f"for (int64_t c0 = 0; c0 < ex_{self.ir.over}; c0 += {self.chunk})")',
+      'self.block(f"for (int64_t c0 = 0; c0 + {self.chunk} <= ex_{self.ir.over}; c0 += {self.chunk})")',
       "the chunk loop of the row kernels stops at the last full chunk: a row whose length is not a multiple of the "
       "chunk loses its tail",
       ROWS, ),
