@@ -355,3 +355,21 @@ def test_a_guard_on_a_sum_of_states_that_can_be_zero_is_not_taken():
     text += "  passes: 2\n"
     verdict = rejected_or_right(text, [problem([-1.0, -2.0, -0.5, -3.0]), problem([1.0, -2.0])])
     assert verdict.startswith("rejected: "), verdict
+
+
+def test_a_max_that_reaches_inf_without_an_infinite_element_keeps_the_correction_finite():
+    """Found by the property test at 2,000 examples (ENGINE_SEED=8): r0: sum(exp(x), where=x > 0) overflows to inf
+    at x = 1000, r1: max(r0) is then inf, and r2: sum(exp(x - r1)) corrected by exp(r1_old - r1_new) = exp(inf -
+    inf) was nan where the plain math gives 0. Likewise m = max(exp(x)) with l = sum(exp(x - m)) in one pass. The
+    correction is the identity where the max stays at inf; softmax's max(x) keeps its correction unchanged (there
+    an infinite max comes from an infinite element, whose own term is nan in the plain math)."""
+    two = cascade({"r0": "sum(exp(x[t, e]), where=x[t, e] > 0)", "r1": "max(r0)", "r2": "sum(exp(x[t, e] - r1))"},
+                  {"r2": "r2"}) + "  passes: 2\n"
+    rows = [problem([1000.0, -1.0, 2.0, 3.0]), problem([-2.0, 0.5, -800.0])]
+    assert rejected_or_right(two, rows) == "right"
+    one = cascade({"m": "max(exp(x[t, e]))", "l": "sum(exp(x[t, e] - m))"}, {"l": "l"})
+    verdict = rejected_or_right(one, [problem([1000.0, 1.0, 2.0]), problem([1.0, 1000.0, 1000.0])])
+    assert verdict == "right" or verdict.startswith("rejected: "), verdict
+    softmax = analyze(parse_spec(cascade({"m": "max(x[t, e])", "l": "sum(exp(x[t, e] - m))"}, {"l": "l"}),
+                                 "s.yaml")).cases[0]
+    assert "Eq(m_new, m_old)" not in str(softmax.form("l").correction)

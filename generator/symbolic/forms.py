@@ -819,6 +819,44 @@ class _Analyzer:
                         return True
         return False
 
+    def _inf_beside_a_finite_term(self, f: ReductionForm | None, d: str) -> bool:
+        """Whether the max/min state d can reach the infinity it moves towards through element values at which
+        f's own term is finite (exp(x - m) with m = max(exp(x)) at x = 1000 is 0), i.e. f's plain result can be
+        finite while d is infinite."""
+        import numpy as np
+
+        if f is None:
+            return True
+        dep, r = self.ir.reduction(d), self.ir.reduction(f.name)
+        inf = math.inf if dep.op == "max" else -math.inf
+        body, term = strip_casts(dep.body), strip_casts(r.body)
+        atoms = sorted(set(element_atoms(self.ir, body, outermost=True)) | set(element_atoms(self.ir, term, True)),
+                       key=str)
+        sub = {a: sp.Dummy(f"x{k}", real=True) for k, a in enumerate(atoms)}
+        state = self.ir.states[d]
+        others = sorted((body.xreplace(sub).free_symbols | term.xreplace(sub).free_symbols) - set(sub.values())
+                        - {state}, key=str)
+        try:
+            fb = np_lambdify([*sub.values(), *others], body.xreplace(sub))
+            ft = np_lambdify([*sub.values(), state, *others], term.xreplace(sub))
+        except (ValueError, TypeError, KeyError, NameError):
+            return True
+        rng = random.Random(17)
+        with _np_quiet():
+            for _ in range(300):
+                xs = [rng.choice(PROBE + (math.inf,)) for _ in atoms]
+                os_ = [rng.choice(sample_values(o) + (math.inf, -math.inf)) for o in others]
+                try:
+                    b = float(np.asarray(fb(*[np.float64(v) for v in xs + os_])))
+                    if b != inf:
+                        continue
+                    t = complex(np.asarray(ft(*[np.float64(v) for v in xs + [inf] + os_])))
+                except (ValueError, TypeError, ZeroDivisionError, OverflowError, NameError):
+                    continue
+                if math.isfinite(t.real):
+                    return True
+        return False
+
     def _guard_correction(self, c: sp.Expr, kind: str, deps: tuple[str, ...], by_state: dict[str, Guard],
                           sub_new: dict, f: ReductionForm | None = None) -> sp.Expr:
         """c(D_old -> D_new) with guards. Where an old state is at a degenerate value the prefix contributed only
@@ -830,12 +868,15 @@ class _Analyzer:
         regular = c.xreplace(sub_new)
         degenerate = [sp.Eq(self.syms[d]["old"], point) for d in deps if d in by_state
                       for point, _ in by_state[d].points]
-        # a sum that has overflowed stays at inf: c(inf -> inf) is inf / inf or exp(inf - inf), nan, where the
-        # identity is exact (rms_norm's sqrt(N eps + ss_old) / sqrt(N eps + ss_new) on a row whose sum of squares
-        # overflows: the plain norm is 0, not nan). A max reaches inf only through an element that is inf.
+        # a state that stays at +-inf: c(inf -> inf) is inf / inf or exp(inf - inf), nan, where the identity is
+        # exact. A sum gets there by overflowing (rms_norm's sqrt(N eps + ss_old) / sqrt(N eps + ss_new) on a row
+        # whose sum of squares overflows: the plain norm is 0, not nan); a max through an element whose body is
+        # inf, which only matters where that element's own term is not nan anyway (softmax: exp(inf - inf) is nan
+        # in the plain math too; max(exp(x)) or a max of a state that overflowed are not so)
         degenerate += [sp.Eq(self.syms[d]["old"], self.syms[d]["new"]) for d in deps
-                       if not MONOIDS[self.ir.reduction(d).op].neutral.is_infinite
-                       and self._nan_when_infinite(c, d)]
+                       if self._nan_when_infinite(c, d)
+                       and (not MONOIDS[self.ir.reduction(d).op].neutral.is_infinite
+                            or self._inf_beside_a_finite_term(f, d))]
         # a max/min still at its neutral (nothing counted yet) stays there: the correction is a positive factor
         # (distributivity), and -inf * c = -inf, except where c underflows to 0 or is inf / inf (nan): rms_norm's
         # abs-max before the first element, when the sum of squares jumps from 0 to inf in the first chunk
