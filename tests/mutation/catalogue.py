@@ -76,10 +76,19 @@ MUTANTS: list[Mutant] = [
       "issue 17 (b): 0 is not a degenerate candidate, so an abs-max state's correction x/a is not guarded at a = 0 "
       "(an all-zero prefix gives 0/0)",
       (SOUND,), cheap=True),
-    M("algebra-no-infinite-candidates", "generator/symbolic/algebra.py",
-      "    for inf in (sp.S.NegativeInfinity, sp.oo):\n", "    for inf in ():\n",
-      "the infinities are not degenerate candidates: a sum of exponentials that overflows to inf (or a max at -inf) "
-      "gets no guard and its correction is inf/inf",
+    # (algebra-no-infinite-candidates, dropping +-inf as guard candidates, became equivalent when the correction
+    # of a state that stays at +-inf was made the identity: the mutant below plants that bug instead)
+    M("forms-stuck-infinite-identity-dropped", "generator/symbolic/forms.py",
+      '        degenerate += [sp.Eq(self.syms[d]["old"], self.syms[d]["new"]) for d in deps\n',
+      '        degenerate += [sp.Eq(self.syms[d]["old"], self.syms[d]["new"]) for d in ()\n',
+      "the correction out of a state that stays at +-inf is the regular one: inf / inf or exp(inf - inf) is nan "
+      "where the plain math is finite (rms_norm on a row whose sum of squares overflows, a max of an overflowed sum)",
+      (SOUND,), cheap=True),
+    M("forms-max-neutral-not-kept", "generator/symbolic/forms.py",
+      '            degenerate.append(sp.Eq(self.syms[f.name]["old"], MONOIDS[f.op].neutral))\n',
+      "            pass\n",
+      "a max/min that has counted nothing yet is corrected like any other state: a factor that underflowed to 0 "
+      "(exp(-1000 - 0)) makes -inf * 0 = nan where the plain result is a number",
       (SOUND,), cheap=True),
     M("forms-degenerate-correction-not-identity", "generator/symbolic/forms.py",
       "        if not degenerate:\n            return regular\n", "        return regular\n",
