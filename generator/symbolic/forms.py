@@ -785,7 +785,7 @@ class _Analyzer:
         proof of _reached_only_empty, with the whole row as the prefix). Else f reads d as it is, which is the plain
         math: r1 = sum(r0 * r0) with r0 = max(x, where=x > 0) is inf on a row with no positive x, not 0."""
         r = self.ir.reduction(f.name)
-        if f.selection:  # a key read through the guard keeps its order (moe_route: every key of an all -inf row
+        if f.selection:  # a key read through the guard keeps its order (a softmax router: every key of an all -inf row
             return True  # is 0 instead of nan, ranked by index either way); the proof below is about neutrals
         for gp in self.guard_points.get(d, []):
             before = len(self.undefined)
@@ -869,7 +869,7 @@ class _Analyzer:
         degenerate = [sp.Eq(self.syms[d]["old"], point) for d in deps if d in by_state
                       for point, _ in by_state[d].points]
         # a state that stays at +-inf: c(inf -> inf) is inf / inf or exp(inf - inf), nan, where the identity is
-        # exact. A sum gets there by overflowing (rms_norm's sqrt(N eps + ss_old) / sqrt(N eps + ss_new) on a row
+        # exact. A sum gets there by overflowing (an RMS norm's sqrt(N eps + ss_old) / sqrt(N eps + ss_new) on a row
         # whose sum of squares overflows: the plain norm is 0, not nan); a max through an element whose body is
         # inf, which only matters where that element's own term is not nan anyway (softmax: exp(inf - inf) is nan
         # in the plain math too; max(exp(x)) or a max of a state that overflowed are not so)
@@ -878,7 +878,7 @@ class _Analyzer:
                        and (not MONOIDS[self.ir.reduction(d).op].neutral.is_infinite
                             or self._inf_beside_a_finite_term(f, d))]
         # a max/min still at its neutral (nothing counted yet) stays there: the correction is a positive factor
-        # (distributivity), and -inf * c = -inf, except where c underflows to 0 or is inf / inf (nan): rms_norm's
+        # (distributivity), and -inf * c = -inf, except where c underflows to 0 or is inf / inf (nan): an RMS norm's
         # abs-max before the first element, when the sum of squares jumps from 0 to inf in the first chunk
         if f is not None and kind == "*" and f.op in ("max", "min"):
             degenerate.append(sp.Eq(self.syms[f.name]["old"], MONOIDS[f.op].neutral))
