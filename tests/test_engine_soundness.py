@@ -373,3 +373,13 @@ def test_a_max_that_reaches_inf_without_an_infinite_element_keeps_the_correction
     softmax = analyze(parse_spec(cascade({"m": "max(x[t, e])", "l": "sum(exp(x[t, e] - m))"}, {"l": "l"}),
                                  "s.yaml")).cases[0]
     assert "Eq(m_new, m_old)" not in str(softmax.form("l").correction)
+
+
+def test_an_additive_correction_where_a_min_stays_at_minus_inf():
+    """Found by the property test at 2,000 examples (ENGINE_SEED=10): r0: sum(x) is -inf on a row with x = -inf,
+    r1: min(r0) too, and r2: min(|x| + exp(0.5 - r1)) is corrected by exp(0.5 - r1_new) - exp(0.5 - r1_old) =
+    inf - inf = nan once r1 stays at -inf; the plain result is inf. The correction is the identity there."""
+    text = cascade({"r0": "sum(x[t, e])", "r1": "min(r0)", "r2": "min(abs(x[t, e]) + exp(0.5 - r1))"},
+                   {"r2": "r2"}) + "  passes: 2\n"
+    rows = [problem([-np.inf, 1.0, 2.0, -3.0]), problem([1.0, -np.inf, -np.inf]), problem([0.5, -2.0])]
+    assert rejected_or_right(text, rows) == "right"

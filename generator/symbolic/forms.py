@@ -821,8 +821,8 @@ class _Analyzer:
 
     def _inf_beside_a_finite_term(self, f: ReductionForm | None, d: str) -> bool:
         """Whether the max/min state d can reach the infinity it moves towards through element values at which
-        f's own term is finite (exp(x - m) with m = max(exp(x)) at x = 1000 is 0), i.e. f's plain result can be
-        finite while d is infinite."""
+        f's own term is not nan (exp(x - m) with m = max(exp(x)) at x = 1000 is 0; |x| + exp(0.5 - r1) with r1 the
+        min of a sum that reached -inf is inf), i.e. f's plain result can be a number while d is infinite."""
         import numpy as np
 
         if f is None:
@@ -853,7 +853,7 @@ class _Analyzer:
                     t = complex(np.asarray(ft(*[np.float64(v) for v in xs + [inf] + os_])))
                 except (ValueError, TypeError, ZeroDivisionError, OverflowError, NameError):
                     continue
-                if math.isfinite(t.real):
+                if not math.isnan(t.real):  # a number (inf included) that the plain math gives and the forms must
                     return True
         return False
 
