@@ -800,10 +800,8 @@ class _Kernel:
                     self.emit(f"float {acc}_l[{LANES}];")
                     self.emit(f"for (int u = 0; u < {LANES}; ++u) {acc}_l[u] = {neutral};")
             # the chunk's constants (a state's function, 1 / sqrt(ss / N + eps)) once per chunk, not per element
-            varying = {a for f in forms for a in element_atoms(ir, f.term)}
-            varying |= {a for f in forms for a in f.term.atoms(sp.Indexed) if any(a.has(v) for v in varying)}
             before = dict(self.local)
-            hoisted = [self.hoist(f.term, varying) for f in forms]
+            hoisted = [self.hoist(f.term) for f in forms]
             kept = {k: v for k, v in self.local.items() if k not in before}
             self.emit("int64_t jl = 0;")
             self.block(f"for (; jl + {LANES} <= cn; jl += {LANES})")
@@ -1065,25 +1063,23 @@ class _Kernel:
             self.emit(f"{guard}{target} = {self.fold(f.op, target, self.pr.flt(f.body))};")
         self.end()
 
-    def hoist(self, expr: sp.Basic, varying: set[sp.Basic]) -> sp.Basic:
-        """expr with its loop-invariant float parts (those that read no atom of `varying`) computed once: each is
+    def hoist(self, expr: sp.Basic, loops: tuple[str, ...] = ()) -> sp.Basic:
+        """expr with its parts that do not vary along the streamed axis (nor the indices of `loops`) computed once: each is
         emitted here as a `const` and replaced by a fresh symbol that the printer resolves to it. In a product the
         invariant factors become one (a division by a row constant becomes a multiplication by its reciprocal,
         computed once); in a sum the invariant terms become one. Row-invariant tensor reads (a target index
         target[t]) are read once. Boolean parts and contractions stay where they are."""
 
+        varying = set(element_atoms(self.ir, expr)) | {self.ir.indices[n] for n in loops}
+
         def moves(e: sp.Basic) -> bool:
             return any(e.has(v) for v in varying)
 
-        def read(e: sp.Basic) -> bool:  # a read of an input tensor (not of a selection's entries)
-            return isinstance(e, sp.Indexed) and str(e.base.label) in self.ir.tensors
-
         def worth(e: sp.Basic) -> bool:
-            if read(e):
-                return e not in self.local
-            return (isinstance(e, sp.Expr) and not e.is_Atom and not isinstance(e, sp.Indexed)
-                    and not e.has(sp.Sum, entrysum, isin) and not is_bool(e) and not self.pr.is_int(e)
-                    and e not in self.local)
+            if isinstance(e, sp.Indexed):  # a read of an input tensor, not of a selection's entries
+                return str(e.base.label) in self.ir.tensors
+            return (isinstance(e, sp.Expr) and not e.is_Atom and not e.has(sp.Sum, entrysum, isin)
+                    and not is_bool(e) and not self.pr.is_int(e))
 
         def lift(e: sp.Basic) -> sp.Basic:
             name = self.fresh("hv")
@@ -1094,18 +1090,18 @@ class _Kernel:
             return sym
 
         def walk(e: sp.Basic) -> sp.Basic:
-            if read(e) and not moves(e):
-                return lift(e) if worth(e) else e
-            if not isinstance(e, sp.Basic) or e.is_Atom or isinstance(e, sp.Indexed) or e in self.local:
+            if not isinstance(e, sp.Basic) or e in self.local:
                 return e
             if not moves(e):
                 return lift(e) if worth(e) else e
+            if e.is_Atom or isinstance(e, sp.Indexed):
+                return e
             if isinstance(e, (sp.Mul, sp.Add)) and not self.pr.is_int(e):
                 fixed = [a for a in e.args if not moves(a)]
                 rest = [walk(a) for a in e.args if moves(a)]
                 if fixed:
                     part = e.func(*fixed)
-                    rest.append(lift(part) if worth(part) else part)
+                    rest.append(lift(part) if worth(part) and part not in self.local else part)
                 return e.func(*rest, evaluate=False)
             if isinstance(e, sp.Piecewise):
                 return sp.Piecewise(*[(walk(v), walk(c)) for v, c in e.args], evaluate=False)
@@ -1127,9 +1123,7 @@ class _Kernel:
             if type(value) is store_rounds.get(self.types[f"out:{o.name}"]):
                 value = value.args[0]  # the store rounds to the output's type: the same value, one conversion
             if o.per_element:  # row constants of a per-element value: once per row, not once per element
-                varying = set(element_atoms(ir, value)) | {ir.indices[n] for n in loops}
-                varying |= {a for a in value.atoms(sp.Indexed) if any(a.has(v) for v in varying)}
-                value = self.hoist(value, varying)
+                value = self.hoist(value, tuple(loops))
             last = len(o.index) - 1
             # a per-element output whose innermost index is the streamed one gets a copy of its loops for a unit
             # inner stride (the usual case: outputs are allocated contiguous), which the compiler can vectorise
