@@ -383,3 +383,16 @@ def test_an_additive_correction_where_a_min_stays_at_minus_inf():
                    {"r2": "r2"}) + "  passes: 2\n"
     rows = [problem([-np.inf, 1.0, 2.0, -3.0]), problem([1.0, -np.inf, -np.inf]), problem([0.5, -2.0])]
     assert rejected_or_right(text, rows) == "right"
+
+
+def test_an_additive_correction_whose_parts_are_both_inf_or_that_leaves_a_max_at_its_neutral():
+    """Found by the property test at 2,000 examples (ENGINE_SEED=10): r2: max(x + exp(0.5 - r1)) with r1: min(x)
+    is corrected by exp(0.5 - r1_new) - exp(0.5 - r1_old). On x = [-1000, -800, 1000, -1000] the first element
+    takes r1 from its neutral +inf to -1000 while r2 is still at its neutral -inf (-inf + inf = nan), and later
+    r1 moves between values below -709 where both parts are inf (inf - inf = nan); the plain result is inf. The
+    correction is the identity in both places (a max with nothing counted stays at -inf; equal parts shift by 0)."""
+    text = cascade({"r0": "sum(x[t, e])", "r1": "min(x[t, e])", "r2": "max(x[t, e] + exp(0.5 - r1))"},
+                   {"r2": "r2"})
+    rows = [problem([-1000.0, -800.0, 1000.0, -1000.0]), problem([800.0, -745.5, -800.0, 1000.0]),
+            problem([1.0, -2.0, 3.0]), problem([-1000.0, -1000.0]), problem([5.0, -710.0, -720.0, 0.0])]
+    assert rejected_or_right(text, rows, cut=2) == "right"

@@ -877,15 +877,43 @@ class _Analyzer:
                        if self._nan_when_infinite(c, d)
                        and (not MONOIDS[self.ir.reduction(d).op].neutral.is_infinite
                             or self._inf_beside_a_finite_term(f, d))]
+        # an additive correction g(D_new) - g(D_old) whose two parts are both inf (exp(0.5 - r1) for a running min r1
+        # that is already below -709 and falls further): the state was already at inf, as the plain math's is, and
+        # inf - inf is nan; the identity is exact wherever the parts are equal
+        if kind == "+":
+            split = self._shift_parts(c)
+            if split is not None:
+                degenerate.append(sp.Eq(*split))
         # a max/min still at its neutral (nothing counted yet) stays there: the correction is a positive factor
         # (distributivity), and -inf * c = -inf, except where c underflows to 0 or is inf / inf (nan): an RMS norm's
         # abs-max before the first element, when the sum of squares jumps from 0 to inf in the first chunk
-        if f is not None and kind == "*" and f.op in ("max", "min"):
+        # (an additive correction likewise: -inf + c is -inf, except where c is +inf: a max of x + exp(0.5 - r1)
+        # whose first element takes the running min r1 from its neutral +inf to -1000)
+        if f is not None and kind in ("*", "+") and f.op in ("max", "min"):
             degenerate.append(sp.Eq(self.syms[f.name]["old"], MONOIDS[f.op].neutral))
         if not degenerate:
             return regular
         identity = sp.Integer(1) if kind == "*" else sp.Integer(0)
         return sp.Piecewise((identity, sp.Or(*degenerate)), (regular, True))
+
+    def _shift_parts(self, c: sp.Expr) -> tuple[sp.Expr, sp.Expr] | None:
+        """(g(D_new), g(D_old)) of an additive correction c = g(D_new) - g(D_old) whose parts may overflow (not
+        polynomial in the states): each term of c reads only new or only old states. None otherwise."""
+        olds = {r["old"] for r in self.syms.values() if "old" in r}
+        news = {r["new"] for r in self.syms.values() if "new" in r}
+        new_part, old_part = sp.Integer(0), sp.Integer(0)
+        for t in sp.Add.make_args(c):
+            fs = t.free_symbols
+            if fs & olds and not fs & news:
+                old_part -= t
+            elif fs & news and not fs & olds:
+                new_part += t
+            else:
+                return None
+        states = sorted(olds | news, key=str)
+        if new_part == 0 or old_part == 0 or (new_part.is_polynomial(*states) and old_part.is_polynomial(*states)):
+            return None
+        return new_part, old_part
 
     def _passes(self, forms: tuple[ReductionForm, ...]) -> tuple[PassInfo, ...]:
         n = max([f.pass_no for f in forms] + [1])
