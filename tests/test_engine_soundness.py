@@ -396,3 +396,12 @@ def test_an_additive_correction_whose_parts_are_both_inf_or_that_leaves_a_max_at
     rows = [problem([-1000.0, -800.0, 1000.0, -1000.0]), problem([800.0, -745.5, -800.0, 1000.0]),
             problem([1.0, -2.0, 3.0]), problem([-1000.0, -1000.0]), problem([5.0, -710.0, -720.0, 0.0])]
     assert rejected_or_right(text, rows, cut=2) == "right"
+
+
+def test_the_identity_correction_needs_every_state_it_reads_unchanged():
+    """Found by the property test at 2,000 examples (ENGINE_SEED=77): r2: sum(sigmoid(r0 * r1)) with r0:
+    sum(sigmoid(x)) and r1: sum(0.5). An element with sigmoid(x) = 0 (x = -1000) leaves r0 unchanged while r1 moves
+    on; the identity correction (meant for a state stuck at +-inf) was taken because r0 alone was unchanged."""
+    text = cascade({"r0": "sum(sigmoid(x[t, e]))", "r1": "sum(0.5)", "r2": "sum(sigmoid(r0 * r1))"}, {"r2": "r2"})
+    rows = [problem([-1000.0, -800.0, 1000.0, -1000.0]), problem([1.0, -1000.0, 2.0]), problem([0.5, -2.0])]
+    assert rejected_or_right(text, rows, cut=2) == "right"

@@ -873,10 +873,13 @@ class _Analyzer:
         # whose sum of squares overflows: the plain norm is 0, not nan); a max through an element whose body is
         # inf, which only matters where that element's own term is not nan anyway (softmax: exp(inf - inf) is nan
         # in the plain math too; max(exp(x)) or a max of a state that overflowed are not so)
-        degenerate += [sp.Eq(self.syms[d]["old"], self.syms[d]["new"]) for d in deps
-                       if self._nan_when_infinite(c, d)
-                       and (not MONOIDS[self.ir.reduction(d).op].neutral.is_infinite
-                            or self._inf_beside_a_finite_term(f, d))]
+        # The condition is that every state the correction reads is unchanged (where the identity is exact by
+        # definition), not only the one at inf: sum(sigmoid(r0 * r1)) with r0 unchanged by an element whose sigmoid
+        # is 0 and r1 (a count) moving on needs its correction (ENGINE_SEED=77).
+        if any(self._nan_when_infinite(c, d)
+               and (not MONOIDS[self.ir.reduction(d).op].neutral.is_infinite or self._inf_beside_a_finite_term(f, d))
+               for d in deps):
+            degenerate.append(sp.And(*[sp.Eq(self.syms[d]["old"], self.syms[d]["new"]) for d in deps]))
         # an additive correction g(D_new) - g(D_old) whose two parts are both inf (exp(0.5 - r1) for a running min r1
         # that is already below -709 and falls further): the state was already at inf, as the plain math's is, and
         # inf - inf is nan; the identity is exact wherever the parts are equal
