@@ -46,25 +46,20 @@ inline float ld(bf16_t v) { return bf16_to_float(v.bits); }
 inline int64_t ld(int32_t v) { return v; }
 inline int64_t ld(int64_t v) { return v; }
 
-// float8 e4m3fn (finite-only: max 448, NaN = 0x7F/0xFF, no infinities) <-> float
+// float8 e4m3fn (finite-only: max 448, NaN = 0x7F/0xFF, no infinities) <-> float. Decoding is branch-free integer
+// arithmetic (so that a loop decoding a weight row vectorises; a 256-entry table lookup did not, and cost ~2.5 ns
+// per weight byte on a Zen 3 EPYC), exact for all 256 values (tests/cpu_math_exhaustive.cpp, against torch):
+// normals by rebiasing the exponent (7 -> 127), subnormals as mantissa * 2^-9 (a normal float, so DAZ/FTZ cannot
+// flush it), 0x7F as NaN.
 inline float e4m3_to_float(uint8_t b) {
-  const uint32_t sign = (b & 0x80u) ? 0x80000000u : 0u;
-  const uint32_t exp = (b >> 3) & 0xFu;
-  const uint32_t man = b & 0x7u;
-  if (exp == 0xFu && man == 0x7u) return bits_float(sign | 0x7FC00000u);  // NaN
-  if (exp == 0) {
-    if (man == 0) return bits_float(sign);
-    return (sign ? -1.0f : 1.0f) * std::ldexp(static_cast<float>(man), -9);  // subnormal: man * 2^-9
-  }
-  return bits_float(sign | ((exp + 120u) << 23) | (man << 20));  // rebias 7 -> 127
+  const uint32_t em = b & 0x7Fu;
+  const uint32_t normal = (em << 20) + (120u << 23);
+  const uint32_t sub = float_bits(static_cast<float>(static_cast<int32_t>(em)) * 0.001953125f);  // em * 2^-9
+  uint32_t mag = em < 8u ? sub : normal;
+  mag = em == 0x7Fu ? 0x7FC00000u : mag;
+  return bits_float(mag | (static_cast<uint32_t>(b & 0x80u) << 24));
 }
-// all 256 e4m3 values, decoded once at load time (loads in kernels are a table lookup)
-inline const std::array<float, 256> kE4M3Table = [] {
-  std::array<float, 256> t{};
-  for (int b = 0; b < 256; ++b) t[b] = e4m3_to_float(static_cast<uint8_t>(b));
-  return t;
-}();
-inline float ld(e4m3_t v) { return kE4M3Table[v.bits]; }
+inline float ld(e4m3_t v) { return e4m3_to_float(v.bits); }
 
 // round-to-nearest-even to e4m3fn with saturation to +-448 (NaN stays NaN). Branch-free (so that loops over it
 // vectorise) and bit-exact for every float (checked against a frexp/ldexp reference over all 2^32 inputs):
@@ -105,7 +100,7 @@ inline void store(T* p, float v) {
 inline void store_index(int32_t* p, int64_t v) { *p = static_cast<int32_t>(v); }
 
 // rounding casts used by specs (exact-up-to-rounding in the proof; real rounding here)
-inline float round_e4m3(float v) { return kE4M3Table[float_to_e4m3(v)]; }
+inline float round_e4m3(float v) { return e4m3_to_float(float_to_e4m3(v)); }
 inline float round_half(float v) { return half_to_float(float_to_half(v)); }
 inline float round_bf16(float v) { return bf16_to_float(float_to_bf16(v)); }
 
@@ -191,52 +186,62 @@ inline int64_t imod(int64_t a, int64_t b) {
 // readable floats (packed tiles are allocated that wide; the extra columns are computed and dropped).
 // The panel and row loops are always inlined into one entry point per x86-64 level (gemm_tile_v4/_v3/_base,
 // chosen once at run time), so that each is compiled with its level's vector width: once per source file, not
-// once per kernel specialisation that calls it.
+// once per kernel specialisation that calls it. Each level names its own native vector type: GCC lowers a vector
+// wider than the function's ISA piece by piece through memory (a 64-byte vector on AVX2 ran at 1.6 GFLOP/s on a
+// Zen 3 EPYC, 1 thread, tile 64 x 256 x 64).
 typedef float vf16 __attribute__((vector_size(64)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
 
-template <int MR>
+// MR rows x 32 columns of C in registers: NV vectors of type V per row (NV * lanes = 32)
+template <class V, int NV, int MR>
 __attribute__((always_inline)) inline void gemm_panel(int64_t K, const float* A, int64_t lda, const float* B,
                                                       int64_t ldb, float* C, int64_t ldc, int64_t nv,
                                                       bool accumulate) {
-  vf16 c0[MR], c1[MR];
-  for (int i = 0; i < MR; ++i) {
-    c0[i] = vf16{};
-    c1[i] = vf16{};
-  }
+  V c[MR][NV];
+  #pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+    #pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) c[i][v] = V{};
   for (int64_t k = 0; k < K; ++k) {
-    vf16 b0, b1;
-    std::memcpy(&b0, B + k * ldb, sizeof b0);
-    std::memcpy(&b1, B + k * ldb + 16, sizeof b1);
+    V b[NV];
+    #pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) std::memcpy(&b[v], B + k * ldb + v * (32 / NV), sizeof(V));
+    #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
       const float a = A[i * lda + k];
-      c0[i] += a * b0;
-      c1[i] += a * b1;
+      #pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) c[i][v] += a * b[v];
     }
   }
+  #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i) {
-    float* c = C + i * ldc;
-    float t[32];
-    if (nv == 32 && accumulate) {
-      vf16 o0, o1;
-      std::memcpy(&o0, c, sizeof o0);
-      std::memcpy(&o1, c + 16, sizeof o1);
-      c0[i] += o0;
-      c1[i] += o1;
-    }
-    std::memcpy(t, &c0[i], sizeof c0[i]);
-    std::memcpy(t + 16, &c1[i], sizeof c1[i]);
+    float* cr = C + i * ldc;
     if (nv == 32) {
-      std::memcpy(c, t, sizeof t);
+      #pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) {
+        V o;
+        if (accumulate) {
+          std::memcpy(&o, cr + v * (32 / NV), sizeof(V));
+          o += c[i][v];
+        } else {
+          o = c[i][v];
+        }
+        std::memcpy(cr + v * (32 / NV), &o, sizeof(V));
+      }
     } else {
-      for (int64_t n = 0; n < nv; ++n) c[n] = accumulate ? c[n] + t[n] : t[n];
+      float t[32];
+      #pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) std::memcpy(t + v * (32 / NV), &c[i][v], sizeof(V));
+      for (int64_t n = 0; n < nv; ++n) cr[n] = accumulate ? cr[n] + t[n] : t[n];
     }
   }
 }
 
-// MR rows at a time: 8 (16 accumulator registers) where the CPU has AVX-512's 32 vector registers, 4 otherwise
-// (AVX2 has 16 ymm registers: 8 rows x 32 columns would spill). Measured on a Zen 4 EPYC at 1 thread (tile
-// 32 x 64 x 128, a loaded machine): 41 GFLOP/s with 4 rows, 47 with 8.
-template <int MR>
+// MR rows at a time, as many as the vector registers hold beside the NV vectors of B: 8 x 2 zmm of AVX-512's 32
+// registers, 3 x 4 ymm of AVX2's 16, 1 x 8 xmm of SSE2's 16. Measured on a Zen 4 EPYC at 1 thread (tile 32 x 64 x
+// 128, a loaded machine): 41 GFLOP/s with 4 rows, 47 with 8.
+template <class V, int NV, int MR>
 __attribute__((always_inline)) inline void gemm_rows(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
                                                      const float* B, int64_t ldb, float* C, int64_t ldc,
                                                      bool accumulate) {
@@ -244,12 +249,76 @@ __attribute__((always_inline)) inline void gemm_rows(int64_t M, int64_t N, int64
     const int64_t nv = N - n0 < 32 ? N - n0 : 32;
     int64_t m = 0;
     for (; m + MR <= M; m += MR)
-      gemm_panel<MR>(K, A + m * lda, lda, B + n0, ldb, C + m * ldc + n0, ldc, nv, accumulate);
+      gemm_panel<V, NV, MR>(K, A + m * lda, lda, B + n0, ldb, C + m * ldc + n0, ldc, nv, accumulate);
     if (MR > 4 && m + 4 <= M) {
-      gemm_panel<4>(K, A + m * lda, lda, B + n0, ldb, C + m * ldc + n0, ldc, nv, accumulate);
+      gemm_panel<V, NV, (MR > 4 ? 4 : 1)>(K, A + m * lda, lda, B + n0, ldb, C + m * ldc + n0, ldc, nv, accumulate);
       m += 4;
     }
-    for (; m < M; ++m) gemm_panel<1>(K, A + m * lda, lda, B + n0, ldb, C + m * ldc + n0, ldc, nv, accumulate);
+    for (; m < M; ++m)
+      gemm_panel<V, NV, 1>(K, A + m * lda, lda, B + n0, ldb, C + m * ldc + n0, ldc, nv, accumulate);
+  }
+}
+
+// The same product with B given transposed, Bt[n, k] (C[m, n] (+)= sum_k A[m, k] * Bt[n, k]): for a streamed
+// operand whose reduction index is its last (a weight W[n, k] read along k), packed row by row with contiguous
+// reads where the [k][n] pack above gathers across rows. MR x NR dot products in vectors over k, summed across
+// lanes once per tile.
+template <class V, int MR, int NR>
+__attribute__((always_inline)) inline void gemm_nt_block(int64_t K, const float* A, int64_t lda, const float* B,
+                                                         int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  constexpr int L = sizeof(V) / sizeof(float);
+  V c[MR][NR];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) c[i][j] = V{};
+  int64_t k = 0;
+  for (; k + L <= K; k += L) {
+    V a[MR], b[NR];
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) std::memcpy(&a[i], A + i * lda + k, sizeof(V));
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) std::memcpy(&b[j], B + j * ldb + k, sizeof(V));
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) c[i][j] += a[i] * b[j];
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) {
+      float t[L];
+      std::memcpy(t, &c[i][j], sizeof(V));
+      float s = 0.0f;
+      for (int l = 0; l < L; ++l) s += t[l];
+      for (int64_t kk = k; kk < K; ++kk) s += A[i * lda + kk] * B[j * ldb + kk];
+      float* cij = C + i * ldc + j;
+      *cij = accumulate ? *cij + s : s;
+    }
+}
+
+template <class V, int MR, int NR>
+__attribute__((always_inline)) inline void gemm_nt_rows(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+                                                        const float* Bt, int64_t ldb, float* C, int64_t ldc,
+                                                        bool accumulate) {
+  for (int64_t n0 = 0; n0 < N; n0 += 32) {  // 32 rows of Bt stay in L1 while the rows of A pass over them
+    const int64_t ne = N - n0 < 32 ? N : n0 + 32;
+    int64_t m = 0;
+    for (; m + MR <= M; m += MR) {
+      int64_t n = n0;
+      for (; n + NR <= ne; n += NR)
+        gemm_nt_block<V, MR, NR>(K, A + m * lda, lda, Bt + n * ldb, ldb, C + m * ldc + n, ldc, accumulate);
+      for (; n < ne; ++n)
+        gemm_nt_block<V, MR, 1>(K, A + m * lda, lda, Bt + n * ldb, ldb, C + m * ldc + n, ldc, accumulate);
+    }
+    for (; m < M; ++m) {
+      int64_t n = n0;
+      for (; n + NR <= ne; n += NR)
+        gemm_nt_block<V, 1, NR>(K, A + m * lda, lda, Bt + n * ldb, ldb, C + m * ldc + n, ldc, accumulate);
+      for (; n < ne; ++n)
+        gemm_nt_block<V, 1, 1>(K, A + m * lda, lda, Bt + n * ldb, ldb, C + m * ldc + n, ldc, accumulate);
+    }
   }
 }
 
@@ -257,15 +326,19 @@ __attribute__((always_inline)) inline void gemm_rows(int64_t M, int64_t N, int64
   int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc, \
       bool accumulate
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+inline int x86_level() {
+  static const int level = __builtin_cpu_supports("x86-64-v4") ? 4 : (__builtin_cpu_supports("x86-64-v3") ? 3 : 0);
+  return level;
+}
 __attribute__((target("arch=x86-64-v4"))) inline void gemm_tile_v4(REDFUSER_GEMM_ARGS) {
-  gemm_rows<8>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+  gemm_rows<vf16, 2, 8>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
 }
 __attribute__((target("arch=x86-64-v3"))) inline void gemm_tile_v3(REDFUSER_GEMM_ARGS) {
-  gemm_rows<4>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+  gemm_rows<vf8, 4, 3>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
 }
-inline void gemm_tile_base(REDFUSER_GEMM_ARGS) { gemm_rows<4>(M, N, K, A, lda, B, ldb, C, ldc, accumulate); }
+inline void gemm_tile_base(REDFUSER_GEMM_ARGS) { gemm_rows<vf4, 8, 1>(M, N, K, A, lda, B, ldb, C, ldc, accumulate); }
 inline void gemm_tile(REDFUSER_GEMM_ARGS) {
-  static const int level = __builtin_cpu_supports("x86-64-v4") ? 4 : (__builtin_cpu_supports("x86-64-v3") ? 3 : 0);
+  const int level = x86_level();
   if (level == 4)
     gemm_tile_v4(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
   else if (level == 3)
@@ -273,8 +346,27 @@ inline void gemm_tile(REDFUSER_GEMM_ARGS) {
   else
     gemm_tile_base(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
 }
+__attribute__((target("arch=x86-64-v4"))) inline void gemm_tile_nt_v4(REDFUSER_GEMM_ARGS) {
+  gemm_nt_rows<vf16, 4, 4>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+}
+__attribute__((target("arch=x86-64-v3"))) inline void gemm_tile_nt_v3(REDFUSER_GEMM_ARGS) {
+  gemm_nt_rows<vf8, 3, 4>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+}
+inline void gemm_tile_nt_base(REDFUSER_GEMM_ARGS) {
+  gemm_nt_rows<vf4, 2, 4>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+}
+inline void gemm_tile_nt(REDFUSER_GEMM_ARGS) {
+  const int level = x86_level();
+  if (level == 4)
+    gemm_tile_nt_v4(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+  else if (level == 3)
+    gemm_tile_nt_v3(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+  else
+    gemm_tile_nt_base(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+}
 #else
-inline void gemm_tile(REDFUSER_GEMM_ARGS) { gemm_rows<4>(M, N, K, A, lda, B, ldb, C, ldc, accumulate); }
+inline void gemm_tile(REDFUSER_GEMM_ARGS) { gemm_rows<vf4, 8, 1>(M, N, K, A, lda, B, ldb, C, ldc, accumulate); }
+inline void gemm_tile_nt(REDFUSER_GEMM_ARGS) { gemm_nt_rows<vf4, 2, 4>(M, N, K, A, lda, B, ldb, C, ldc, accumulate); }
 #endif
 #undef REDFUSER_GEMM_ARGS
 

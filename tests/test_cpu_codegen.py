@@ -90,7 +90,11 @@ def test_fp8_weight_decoded_once_per_tile():
     src = cpu_source(derive(load_spec(ROOT / "specs" / "fp8_quant_gemm.yaml")), "fp8_quant_gemm_cpu.h")
     for body in _block_loop_bodies(src):
         assert "walked in the order (m)" in body  # the weight ignores m: one run per block
-        assert re.search(r"dst\[ix_n - n0\] = v;", body) and "rf::ld(t_w[" in body
+        # W[n, k] is read along k: packed [n][element] with contiguous reads (and the rows ahead prefetched), then
+        # one NT tile; the chunk is longer (WCHUNK) so that each read is a stretch of a weight row, not one line
+        assert re.search(r"dst\[jj\] = v;", body) and "rf::ld(t_w[" in body
+        assert "__builtin_prefetch(&t_w[" in body and "c0 += 256" in body
+        assert re.search(r"rf::gemm_tile_nt\(r1 - r0, nt, cn, bwts\d+ \+ r0 \* 256, 256, pk\d+, 256, bst_acc", body)
         assert body.count("rf::ld(t_w[") == 1  # read only where the tile is packed
 
 

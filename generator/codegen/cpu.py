@@ -29,6 +29,7 @@ from ..symbolic.forms import Analysis, OpAnalysis, ReductionForm, element_atoms
 from .cpp import CppPrinter, float_literal
 from .cpu_tiles import (
     RBLK,
+    block_chunk,
     block_dispatch,
     block_plan,
     block_storage,
@@ -194,7 +195,7 @@ class _Kernel:
         # chunks: the per-chunk work (the states' corrections, folding the vector lanes) is then a small part
         plain = self.plan is None and not any(f.selection or f.free for f in a.reductions) and \
             not any(let.expr.has(sp.Sum) for let in self.ir.element_lets if isinstance(let.expr, sp.Basic))
-        self.chunk = ROW_CHUNK if plain else CHUNK
+        self.chunk = ROW_CHUNK if plain else (block_chunk(self) if self.plan is not None else CHUNK)
         for f in a.reductions:
             for d in f.online_deps:
                 dep = a.form(d)

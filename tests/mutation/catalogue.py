@@ -79,8 +79,8 @@ MUTANTS: list[Mutant] = [
     # (algebra-no-infinite-candidates, dropping +-inf as guard candidates, became equivalent when the correction
     # of a state that stays at +-inf was made the identity: the mutant below plants that bug instead)
     M("forms-stuck-infinite-identity-dropped", "generator/symbolic/forms.py",
-      '        degenerate += [sp.Eq(self.syms[d]["old"], self.syms[d]["new"]) for d in deps\n',
-      '        degenerate += [sp.Eq(self.syms[d]["old"], self.syms[d]["new"]) for d in ()\n',
+      '               for d in deps):\n            degenerate.append(',
+      '               for d in ()):\n            degenerate.append(',
       "the correction out of a state that stays at +-inf is the regular one: inf / inf or exp(inf - inf) is nan "
       "where the plain math is finite (rms_norm on a row whose sum of squares overflows, a max of an overflowed sum)",
       (SOUND,), cheap=True),
@@ -240,8 +240,8 @@ MUTANTS: list[Mutant] = [
       "the low part of ln 2 in exp's range reduction has the wrong sign (relative error ~4e-4 per unit of n)",
       (*ROWS, *ATTN), ),
     M("cpu-math-e4m3-subnormal-scale", "ops_src/cpu_math.h",
-      "    return (sign ? -1.0f : 1.0f) * std::ldexp(static_cast<float>(man), -9);  // subnormal: man * 2^-9\n",
-      "    return (sign ? -1.0f : 1.0f) * std::ldexp(static_cast<float>(man), -10);\n",
+      "static_cast<float>(static_cast<int32_t>(em)) * 0.001953125f);  // em * 2^-9\n",
+      "static_cast<float>(static_cast<int32_t>(em)) * 0.0009765625f);\n",
       "e4m3 subnormals decode at half their value (wrong exponent of the subnormal range)",
       ("tests/test_dtype_exact.py", "-k", "fp8"), ),
     M("cpu-chunk-tail-dropped", "generator/codegen/cpu.py",
@@ -271,4 +271,15 @@ MUTANTS: list[Mutant] = [
       "the score GEMM of a run of rows that share a packed tile computes one row too few (an exclusive end read as "
       "inclusive): the last row of each run keeps stale scores",
       (*ATTN, "tests/test_mla_decode.py"), ),
+    M("tiles-nt-pack-stride-is-chunk-length", "generator/codegen/cpu_tiles.py",
+      'k.emit(f"float* dst = {g.pack} + (ix_{n} - n0) * {ch};")',
+      'k.emit(f"float* dst = {g.pack} + (ix_{n} - n0) * cn;")',
+      "a weight row's stretch is packed at the stride of the chunk's length, not the buffer's: the NT GEMM tile "
+      "reads rows of the last, shorter chunk of a row at the wrong offsets (K not a multiple of the chunk)",
+      ("tests/test_fp8_quant_gemm.py", *NOSLOW), ),
+    M("cpu-math-gemm-nt-lane-dropped", "ops_src/cpu_math.h",
+      "      for (int l = 0; l < L; ++l) s += t[l];\n",
+      "      for (int l = 1; l < L; ++l) s += t[l];\n",
+      "the NT tile's dot products sum their vector lanes from the second: every L-th product of K is lost",
+      ("tests/test_fp8_quant_gemm.py", *NOSLOW), ),
 ]
