@@ -139,7 +139,8 @@ def run_tests(m: Mutant, src: Path, work: Path, log: Path, timeout: float, site:
     if site:
         env["PYTHONPATH"] = str(work / "site")
     env["PYTHONDONTWRITEBYTECODE"] = "1"
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE", *m.tests]
+    # one process (-n 0): a crash must end pytest itself (signal), not an xdist worker
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-n", "0", "-rfE", *m.tests]
     try:
         proc = subprocess.run(cmd, check=False, cwd=src, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
