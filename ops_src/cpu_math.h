@@ -259,6 +259,50 @@ __attribute__((always_inline)) inline void gemm_rows(int64_t M, int64_t N, int64
   }
 }
 
+// the sum of the two halves of a vector (a vector of half the width), in registers
+template <class H, class V>
+__attribute__((always_inline)) inline H add_halves(const V& v) {
+  static_assert(2 * sizeof(H) == sizeof(V), "H is half of V");
+  H lo, hi;
+  std::memcpy(&lo, &v, sizeof(H));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(H), sizeof(H));
+  return lo + hi;
+}
+
+// the sum of a vector's lanes, halving in registers (a store and a scalar loop cost as much as the dot product
+// of a 256-element chunk at one row)
+__attribute__((always_inline)) inline float lane_sum(const vf4& v) { return (v[0] + v[2]) + (v[1] + v[3]); }
+__attribute__((always_inline)) inline float lane_sum(const vf8& v) { return lane_sum(add_halves<vf4>(v)); }
+__attribute__((always_inline)) inline float lane_sum(const vf16& v) { return lane_sum(add_halves<vf8>(v)); }
+
+// {sum(a), sum(b), sum(c), sum(d)}: four lane sums at once by two rounds of pairwise interleaved adds (each group
+// of four lanes then holds partial sums of a, b, c, d) and a halving of the groups
+typedef int32_t vi4 __attribute__((vector_size(16)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+__attribute__((always_inline)) inline vf4 lane_sums4(const vf4& a, const vf4& b, const vf4& c, const vf4& d) {
+  const vi4 e{0, 4, 2, 6}, o{1, 5, 3, 7}, lo{0, 1, 4, 5}, hi{2, 3, 6, 7};
+  const vf4 x = __builtin_shuffle(a, b, e) + __builtin_shuffle(a, b, o);
+  const vf4 y = __builtin_shuffle(c, d, e) + __builtin_shuffle(c, d, o);
+  return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
+}
+__attribute__((always_inline)) inline vf4 lane_sums4(const vf8& a, const vf8& b, const vf8& c, const vf8& d) {
+  const vi8 e{0, 8, 2, 10, 4, 12, 6, 14}, o{1, 9, 3, 11, 5, 13, 7, 15};
+  const vi8 lo{0, 1, 8, 9, 4, 5, 12, 13}, hi{2, 3, 10, 11, 6, 7, 14, 15};
+  const vf8 x = __builtin_shuffle(a, b, e) + __builtin_shuffle(a, b, o);
+  const vf8 y = __builtin_shuffle(c, d, e) + __builtin_shuffle(c, d, o);
+  return add_halves<vf4>(vf8(__builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi)));
+}
+__attribute__((always_inline)) inline vf4 lane_sums4(const vf16& a, const vf16& b, const vf16& c, const vf16& d) {
+  const vi16 e{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  const vi16 o{1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+  const vi16 lo{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  const vi16 hi{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+  const vf16 x = __builtin_shuffle(a, b, e) + __builtin_shuffle(a, b, o);
+  const vf16 y = __builtin_shuffle(c, d, e) + __builtin_shuffle(c, d, o);
+  return add_halves<vf4>(add_halves<vf8>(vf16(__builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi))));
+}
+
 // The same product with B given transposed, Bt[n, k] (C[m, n] (+)= sum_k A[m, k] * Bt[n, k]): for a streamed
 // operand whose reduction index is its last (a weight W[n, k] read along k), packed row by row with contiguous
 // reads where the [k][n] pack above gathers across rows. MR x NR dot products in vectors over k, summed across
@@ -285,17 +329,23 @@ __attribute__((always_inline)) inline void gemm_nt_block(int64_t K, const float*
       for (int j = 0; j < NR; ++j) c[i][j] += a[i] * b[j];
   }
 #pragma GCC unroll 16
-  for (int i = 0; i < MR; ++i)
+  for (int i = 0; i < MR; ++i) {
+    float sums[NR];
+    if constexpr (NR == 4) {  // a row's four sums in one reduction
+      const vf4 r = lane_sums4(c[i][0], c[i][1], c[i][2], c[i][3]);
+      std::memcpy(sums, &r, sizeof(r));
+    } else {
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) sums[j] = lane_sum(c[i][j]);
+    }
 #pragma GCC unroll 16
     for (int j = 0; j < NR; ++j) {
-      float t[L];
-      std::memcpy(t, &c[i][j], sizeof(V));
-      float s = 0.0f;
-      for (int l = 0; l < L; ++l) s += t[l];
+      float s = sums[j];
       for (int64_t kk = k; kk < K; ++kk) s += A[i * lda + kk] * B[j * ldb + kk];
       float* cij = C + i * ldc + j;
       *cij = accumulate ? *cij + s : s;
     }
+  }
 }
 
 template <class V, int MR, int NR>
@@ -337,14 +387,14 @@ __attribute__((target("arch=x86-64-v3"))) inline void gemm_tile_v3(REDFUSER_GEMM
   gemm_rows<vf8, 4, 3>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
 }
 inline void gemm_tile_base(REDFUSER_GEMM_ARGS) { gemm_rows<vf4, 8, 1>(M, N, K, A, lda, B, ldb, C, ldc, accumulate); }
-inline void gemm_tile(REDFUSER_GEMM_ARGS) {
+// the entry point of the CPU's x86-64 level among a kernel's three
+using gemm_fn = void (*)(REDFUSER_GEMM_ARGS);
+inline gemm_fn by_level(gemm_fn v4, gemm_fn v3, gemm_fn base) {
   const int level = x86_level();
-  if (level == 4)
-    gemm_tile_v4(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
-  else if (level == 3)
-    gemm_tile_v3(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
-  else
-    gemm_tile_base(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+  return level == 4 ? v4 : (level == 3 ? v3 : base);
+}
+inline void gemm_tile(REDFUSER_GEMM_ARGS) {
+  by_level(gemm_tile_v4, gemm_tile_v3, gemm_tile_base)(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
 }
 __attribute__((target("arch=x86-64-v4"))) inline void gemm_tile_nt_v4(REDFUSER_GEMM_ARGS) {
   gemm_nt_rows<vf16, 4, 4>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
@@ -356,13 +406,7 @@ inline void gemm_tile_nt_base(REDFUSER_GEMM_ARGS) {
   gemm_nt_rows<vf4, 2, 4>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
 }
 inline void gemm_tile_nt(REDFUSER_GEMM_ARGS) {
-  const int level = x86_level();
-  if (level == 4)
-    gemm_tile_nt_v4(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
-  else if (level == 3)
-    gemm_tile_nt_v3(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
-  else
-    gemm_tile_nt_base(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+  by_level(gemm_tile_nt_v4, gemm_tile_nt_v3, gemm_tile_nt_base)(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
 }
 #else
 inline void gemm_tile(REDFUSER_GEMM_ARGS) { gemm_rows<vf4, 8, 1>(M, N, K, A, lda, B, ldb, C, ldc, accumulate); }

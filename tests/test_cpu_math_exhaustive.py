@@ -27,15 +27,29 @@ def _kernel_flags() -> list[str]:
     return m.group(1).split(";")
 
 
-def test_e4m3_rounding_matches_torch_on_every_float(tmp_path):
+def _build_and_run(tmp_path: Path, source: str, extra: list[str], timeout: int) -> str:
+    """Compile tests/<source> against ops_src with the kernels' flags (+ extra), run it, return its output."""
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         pytest.skip("no C++ compiler on PATH")
     include = Path(torch.__file__).parent / "include"
-    exe = tmp_path / "cpu_math_exhaustive"
-    cmd = [cxx, "-std=c++17", *_kernel_flags(), "-march=native", f"-I{ROOT / 'ops_src'}", f"-I{include}",
-           str(ROOT / "tests" / "cpu_math_exhaustive.cpp"), "-o", str(exe)]
+    exe = tmp_path / Path(source).stem
+    cmd = [cxx, "-std=c++17", *_kernel_flags(), *extra, f"-I{ROOT / 'ops_src'}", f"-I{include}",
+           str(ROOT / "tests" / source), "-o", str(exe)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
-    run = subprocess.run([str(exe)], check=False, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([str(exe)], check=False, capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "e4m3 mismatches: 0 of 2^32" in run.stdout
+    return run.stdout
+
+
+def test_e4m3_rounding_matches_torch_on_every_float(tmp_path):
+    out = _build_and_run(tmp_path, "cpu_math_exhaustive.cpp", ["-march=native"], 600)
+    assert "e4m3 mismatches: 0 of 2^32" in out
+
+
+def test_tile_gemms_at_every_x86_level(tmp_path):
+    """tests/cpu_gemm_levels.cpp: gemm_tile and gemm_tile_nt at each x86-64 level the CPU runs (each level has its
+    own vector width and lane reduction; the op tests reach only the machine's own), against float64. Compiled
+    with the kernels' flags and no -march, as the kernels are: the base level is then really SSE2 code."""
+    out = _build_and_run(tmp_path, "cpu_gemm_levels.cpp", ["-w"], 300)
+    assert "gemm_tile_nt_base mismatches: 0" in out, out

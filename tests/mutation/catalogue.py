@@ -278,8 +278,15 @@ MUTANTS: list[Mutant] = [
       "reads rows of the last, shorter chunk of a row at the wrong offsets (K not a multiple of the chunk)",
       ("tests/test_fp8_quant_gemm.py", *NOSLOW), ),
     M("cpu-math-gemm-nt-lane-dropped", "ops_src/cpu_math.h",
-      "      for (int l = 0; l < L; ++l) s += t[l];\n",
-      "      for (int l = 1; l < L; ++l) s += t[l];\n",
-      "the NT tile's dot products sum their vector lanes from the second: every L-th product of K is lost",
+      "      const vf4 r = lane_sums4(c[i][0], c[i][1], c[i][2], c[i][3]);\n",
+      "      const vf4 r = lane_sums4(c[i][0], c[i][1], c[i][2], c[i][2]);\n",
+      "the NT tile's four-column reduction reads the third column's accumulators for the fourth: every fourth "
+      "output column of the fp8 GEMM is a copy of the one before it (every x86 level)",
       ("tests/test_fp8_quant_gemm.py", *NOSLOW), ),
+    M("cpu-math-lane-sums-avx2-mask", "ops_src/cpu_math.h",
+      "  const vi8 lo{0, 1, 8, 9, 4, 5, 12, 13}, hi{2, 3, 10, 11, 6, 7, 14, 15};\n",
+      "  const vi8 lo{0, 1, 8, 9, 4, 5, 12, 13}, hi{2, 3, 10, 11, 6, 7, 14, 14};\n",
+      "a wrong lane in the AVX2 level's four-way lane reduction: only a CPU of that level runs it in the ops, so the "
+      "ops' tests on an AVX-512 machine pass; the per-level tile GEMM test catches it on any machine with AVX2",
+      ("tests/test_cpu_math_exhaustive.py", "-k", "x86"), ),
 ]
