@@ -17,7 +17,10 @@ import yaml
 from .errors import Loc, SpecError
 from .families import FAMILIES
 
-TENSOR_DTYPES = ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "int32", "int64", "bool")
+# the tensor dtypes a spec may name, with their bytes per element
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1, "int32": 4, "int64": 8,
+               "bool": 1}
+TENSOR_DTYPES = tuple(DTYPE_BYTES)
 SCALAR_TYPES = ("int", "float", "bool", "str", "ScalarType")
 REDUCTION_OPS = ("sum", "max", "min", "argmax", "topk")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

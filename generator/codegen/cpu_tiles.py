@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import sympy as sp
 
+from ..spec import DTYPE_BYTES
+
 RBLK = 64  # most rows of one block (the M side of the GEMM tiles)
 NTILE = 256  # columns of a free index per packed tile of a GEMM fold
 WCHUNK = 256  # the chunk of block kernels with an NT fold (block_chunk)
@@ -560,10 +562,10 @@ PREFETCH_ROWS = 16  # how far ahead (rows of n) an NT pack prefetches its weight
 
 
 def _elem_bytes(k, name: str) -> int:
+    """The widest element of a tensor's dtypes (bytes), as the kernel reads it."""
     if name in k.floats:
         return 4  # converted to float32 by the glue
-    dts = k.spec.arg(name).dtypes or ("float32",)
-    return max(1 if "8" in d and "64" not in d else 2 if "16" in d else 8 if "64" in d else 4 for d in dts)
+    return max(DTYPE_BYTES[d] for d in k.spec.arg(name).dtypes or ("float32",))
 
 
 def _prefetch_rows(k, g: GemmFold) -> None:
