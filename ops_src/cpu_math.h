@@ -177,6 +177,16 @@ inline int64_t imod(int64_t a, int64_t b) {
   return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
 }
 
+// the sum of N partial sums (a vectorised fold's lanes), pairwise by halving: vector adds instead of a chain of N
+// dependent scalar adds; overwrites l
+template <int N>
+__attribute__((always_inline)) inline float lanes_total(float* l) {
+  static_assert(N > 0 && (N & (N - 1)) == 0, "a power of two");
+  for (int w = N / 2; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) l[i] = l[i] + l[i + w];
+  return l[0];
+}
+
 // ------------------------------------------------------------------------------------------ tile GEMM
 // C[m, n] (+)= sum_k A[m, k] * B[k, n] for m < M, n < N, all row-major with leading dimensions lda, ldb, ldc:
 // the contractions of a block of rows against a packed tile of the streamed operand (scores = Q_block x K_tile^T,
@@ -413,6 +423,52 @@ inline void gemm_tile(REDFUSER_GEMM_ARGS) { gemm_rows<vf4, 8, 1>(M, N, K, A, lda
 inline void gemm_tile_nt(REDFUSER_GEMM_ARGS) { gemm_nt_rows<vf4, 2, 4>(M, N, K, A, lda, B, ldb, C, ldc, accumulate); }
 #endif
 #undef REDFUSER_GEMM_ARGS
+
+// dst[c * ldd + r] = src[r * lds + c] widened to float, for r < R, c < C: a streamed operand read along its
+// contraction index (K[j, c] for scores = Q x K^T) packed as the [c][j] tile gemm_tile reads. 8 x 8 blocks are
+// transposed in registers by three rounds of two-source shuffles (pairs of rows, pairs of pairs, halves), 24
+// shuffles per 64 elements, with contiguous loads and stores; the element-wise pack stored every element to its
+// own cache line (14 % of fused_attention's fp32 time at S 1024). Remainder rows and columns element by element.
+typedef int32_t vi8s __attribute__((vector_size(32)));
+template <class T>
+__attribute__((always_inline)) inline void pack_transposed(int64_t R, int64_t C, const T* __restrict__ src, int64_t lds, float* __restrict__ dst,
+                            int64_t ldd) {
+  const vi8s ev{0, 8, 2, 10, 4, 12, 6, 14}, od{1, 9, 3, 11, 5, 13, 7, 15};
+  const vi8s lo2{0, 1, 8, 9, 4, 5, 12, 13}, hi2{2, 3, 10, 11, 6, 7, 14, 15};
+  const vi8s lo4{0, 1, 2, 3, 8, 9, 10, 11}, hi4{4, 5, 6, 7, 12, 13, 14, 15};
+  int64_t r0 = 0;
+  for (; r0 + 8 <= R; r0 += 8) {
+    int64_t c0 = 0;
+    for (; c0 + 8 <= C; c0 += 8) {
+      vf8 x[8];
+      for (int i = 0; i < 8; ++i) {
+        float row[8];
+        for (int e = 0; e < 8; ++e) row[e] = ld(src[(r0 + i) * lds + c0 + e]);
+        std::memcpy(&x[i], row, sizeof(vf8));
+      }
+      vf8 p[8], q[8];
+      for (int i = 0; i < 8; i += 2) {  // rows (i, i + 1) interleaved: even and odd columns
+        p[i] = __builtin_shuffle(x[i], x[i + 1], ev);
+        p[i + 1] = __builtin_shuffle(x[i], x[i + 1], od);
+      }
+      for (int i = 0; i < 8; i += 4)  // pairs (i, i + 2): columns 0/4, 2/6 from the evens, 1/5, 3/7 from the odds
+        for (int o = 0; o < 2; ++o) {
+          q[i + o] = __builtin_shuffle(p[i + o], p[i + 2 + o], lo2);
+          q[i + 2 + o] = __builtin_shuffle(p[i + o], p[i + 2 + o], hi2);
+        }
+      // q[0..3] (rows 0-3) and q[4..7] (rows 4-7) hold columns {0/4, 1/5, 2/6, 3/7} in their two halves
+      for (int t = 0; t < 4; ++t) {
+        const vf8 a = __builtin_shuffle(q[t], q[4 + t], lo4), b = __builtin_shuffle(q[t], q[4 + t], hi4);
+        std::memcpy(dst + (c0 + t) * ldd + r0, &a, sizeof(vf8));
+        std::memcpy(dst + (c0 + t + 4) * ldd + r0, &b, sizeof(vf8));
+      }
+    }
+    for (; c0 < C; ++c0)
+      for (int i = 0; i < 8; ++i) dst[c0 * ldd + r0 + i] = ld(src[(r0 + i) * lds + c0]);
+  }
+  for (; r0 < R; ++r0)
+    for (int64_t c = 0; c < C; ++c) dst[c * ldd + r0] = ld(src[r0 * lds + c]);
+}
 
 // whether a float is finite (bit test: -ffast-math cannot fold it away)
 __attribute__((always_inline)) inline bool is_finite_bits(float v) { return (float_bits(v) & 0x7F800000u) != 0x7F800000u; }

@@ -1,5 +1,6 @@
-// The CPU kernels' tile GEMMs (ops_src/cpu_math.h: gemm_tile, C += A x B, and gemm_tile_nt, C += A x Bt^T) at every
-// x86-64 level this CPU runs (v4: AVX-512, v3: AVX2, the base level: SSE2), against a float64 loop, over shapes
+// The CPU kernels' tile GEMMs (ops_src/cpu_math.h: gemm_tile, C += A x B, and gemm_tile_nt, C += A x Bt^T) and the
+// transposing pack of their streamed operand (pack_transposed, float and bf16 sources) at every x86-64 level this CPU
+// runs (v4: AVX-512, v3: AVX2, the base level: SSE2), against a float64 loop, over shapes
 // that take every register-block size and remainder (rows 1..17, columns 1..65, reduction lengths 1..256). The
 // op tests reach only the level of the machine they run on; the kernels pick theirs at run time, so a bug in
 // another level's code (its vector width, its lane reduction) would ship untested. Built and run by
@@ -49,18 +50,61 @@ static int check(const char* name, Gemm f, bool nt) {
   return bad;
 }
 
+// dst[c][r] == src[r][c] for every block size and remainder, rows strided past their width, the destination's
+// columns past R untouched; a copy, so exact
+template <class T>
+using Pack = void (*)(int64_t, int64_t, const T*, int64_t, float*, int64_t);
+template <class T>
+static int check_pack(const char* name, Pack<T> f) {
+  int bad = 0;
+  uint32_t seed = 777;
+  for (int R : {1, 7, 8, 9, 16, 23, 63, 64})
+    for (int C : {1, 7, 8, 9, 17, 128, 576}) {
+      const int64_t lds = C + 5, ldd = 64 + 3;
+      std::vector<T> src(R * lds);
+      std::vector<float> dst(C * ldd, -7.0f);
+      for (auto& v : src) {
+        seed = seed * 1664525u + 1013904223u;
+        v = rf::from_float<T>(static_cast<float>(seed >> 8) / 65536.0f - 128.0f);
+      }
+      f(R, C, src.data(), lds, dst.data(), ldd);
+      for (int c = 0; c < C; ++c)
+        for (int64_t r = 0; r < ldd; ++r) {
+          const float want = r < R ? rf::ld(src[r * lds + c]) : -7.0f;
+          if (dst[c * ldd + r] != want && bad++ < 5)
+            std::printf("%s R%d C%d [%d][%ld]: %g, want %g\n", name, R, C, c, long(r), dst[c * ldd + r], want);
+        }
+    }
+  std::printf("%s mismatches: %d\n", name, bad);
+  return bad;
+}
+#define PACK_AT(level, attr)                                                                                    \
+  template <class T>                                                                                            \
+  attr static void pack_##level(int64_t R, int64_t C, const T* s, int64_t lds, float* d, int64_t ldd) {         \
+    rf::pack_transposed(R, C, s, lds, d, ldd);                                                                  \
+  }
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+PACK_AT(v4, __attribute__((target("arch=x86-64-v4"))))
+PACK_AT(v3, __attribute__((target("arch=x86-64-v3"))))
+#endif
+PACK_AT(base, )
+
 int main() {
   int bad = 0;
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
   if (__builtin_cpu_supports("x86-64-v4")) {
     bad += check("gemm_tile_v4", rf::gemm_tile_v4, false);
     bad += check("gemm_tile_nt_v4", rf::gemm_tile_nt_v4, true);
+    bad += check_pack<float>("pack_transposed_v4 float", pack_v4<float>);
+    bad += check_pack<rf::bf16_t>("pack_transposed_v4 bf16", pack_v4<rf::bf16_t>);
   } else {
     std::printf("x86-64-v4 not supported here: skipped\n");
   }
   if (__builtin_cpu_supports("x86-64-v3")) {
     bad += check("gemm_tile_v3", rf::gemm_tile_v3, false);
     bad += check("gemm_tile_nt_v3", rf::gemm_tile_nt_v3, true);
+    bad += check_pack<float>("pack_transposed_v3 float", pack_v3<float>);
+    bad += check_pack<rf::bf16_t>("pack_transposed_v3 bf16", pack_v3<rf::bf16_t>);
   } else {
     std::printf("x86-64-v3 not supported here: skipped\n");
   }
@@ -70,5 +114,7 @@ int main() {
   bad += check("gemm_tile", rf::gemm_tile, false);
   bad += check("gemm_tile_nt", rf::gemm_tile_nt, true);
 #endif
+  bad += check_pack<float>("pack_transposed_base float", pack_base<float>);
+  bad += check_pack<rf::bf16_t>("pack_transposed_base bf16", pack_base<rf::bf16_t>);
   return bad != 0;
 }

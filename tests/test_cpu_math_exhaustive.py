@@ -53,3 +53,4 @@ def test_tile_gemms_at_every_x86_level(tmp_path):
     with the kernels' flags and no -march, as the kernels are: the base level is then really SSE2 code."""
     out = _build_and_run(tmp_path, "cpu_gemm_levels.cpp", ["-w"], 300)
     assert "gemm_tile_nt_base mismatches: 0" in out, out
+    assert "pack_transposed_base bf16 mismatches: 0" in out, out

@@ -164,6 +164,27 @@ def test_row_softmax_matches_reference(T, E):
         assert err <= 2 * plain_err + 1e-5, (dtype, err, plain_err)
 
 
+def test_row_softmax_kept_terms_and_recomputed_elements():
+    """The CPU kernel keeps each element's exp(y - m_chunk) and scales it by its chunk's exp(m_chunk - m) / l; it
+    recomputes the elements instead for a row longer than it keeps (2**18) and where a chunk's factor is not finite
+    (a leading chunk of -inf: m_chunk is taken as 0 there, and exp(0 - m) overflows for m = -100). Both paths, and
+    rows whose maximum grows chunk after chunk (512 elements a chunk), against the float64 reference."""
+    gen = torch.Generator().manual_seed(5)
+    ramp = torch.linspace(-60.0, 0.0, 4 * 512).repeat(2, 1) + torch.rand(2, 4 * 512, generator=gen)
+    leading = torch.full((2, 3 * 512), -100.0) + torch.rand(2, 3 * 512, generator=gen)
+    leading[:, :512] = float("-inf")
+    leading[1, 700] = -95.0
+    long_row = torch.randn(2, 2**18 + 3, generator=gen) * 4
+    for x in (ramp, leading, long_row):
+        for dtype in DTYPES:
+            xd = x.to(dtype)
+            out = torch.ops.redfuser.row_softmax(xd)
+            ref = softmax_reference(xd)
+            plain_err = (torch.softmax(xd, dim=-1).double() - ref).abs().max().item()
+            assert (out.double() - ref).abs().max().item() <= 2 * plain_err + 1e-5, (x.shape, dtype)
+            assert (out[:, :512] == 0).all() if x is leading else True
+
+
 def test_row_softmax_infinities():
     """-inf entries get probability 0; a row of -inf gives zeros (torch.softmax gives NaN there)."""
     x = torch.tensor([[float("-inf")] * 4, [0.0, float("-inf"), 1.0, float("-inf")], [1000.0, -800.0, 0.0, 1000.0]])

@@ -40,6 +40,19 @@ from .cpu_tiles import (
 CHUNK = 64
 ROW_CHUNK = 512  # the chunk of plain row kernels (see CpuKernel.chunk)
 LANES = 16  # partial results of a branch-free reduction over a chunk (one vector of floats on AVX-512)
+TCACHE_MAX = 1 << 18  # longest row whose summed terms are kept for its per-element outputs (1 MiB of floats)
+
+
+@dataclass
+class TermCache:
+    """A sum's terms kept per element of the row, so that a per-element output that is the term times a row
+    constant (softmax's exp(y - m) / l is exp(y - m_c) times exp(m_c - m) / l, m_c the max when the element's
+    chunk was summed) costs a multiplication instead of a second exp. `states` are the chunk-time states in the
+    term, saved per chunk as the ratio's `fresh` symbols; `ratios` the outputs' row constants."""
+
+    form: str
+    states: list[tuple[sp.Symbol, sp.Symbol]]  # (state symbol in the term, its per-chunk copy in the ratios)
+    ratios: dict[str, sp.Expr]
 UNROLL = 4  # elements of a chunk that share one pass over a contraction axis or a free axis
 # one copy of each kernel per x86-64 level, chosen at load time (glibc ifunc): AVX-512 / AVX2+FMA / baseline,
 # so that one wheel runs everywhere and the inner loops use the widest vectors the CPU has
@@ -198,6 +211,7 @@ class _Kernel:
         plain = self.plan is None and not any(f.selection or f.free for f in a.reductions) and \
             not any(let.expr.has(sp.Sum) for let in self.ir.element_lets if isinstance(let.expr, sp.Basic))
         self.chunk = ROW_CHUNK if plain else (block_chunk(self) if self.plan is not None else CHUNK)
+        self.tcache = self.term_cache() if plain and len(a.passes) == 1 else None
         for f in a.reductions:
             for d in f.online_deps:
                 dep = a.form(d)
@@ -272,11 +286,15 @@ class _Kernel:
     def tensor_read(self, name: str, indices: tuple) -> str:
         if (name, tuple(indices)) in self.hoisted:
             return self.hoisted[(name, tuple(indices))]
+        return f"rf::ld({self.tensor_element(name, indices)})"
+
+    def tensor_element(self, name: str, indices: tuple) -> str:
+        """The C++ lvalue of one element of input `name`."""
         last = len(indices) - 1
         unit = name in self.floats  # the glue gives float inputs a unit last-dimension stride
         off = " + ".join(f"({self.pr(i)})" if (unit and d == last) else f"({self.pr(i)}) * st_{name}[{d}]"
                          for d, i in enumerate(indices))
-        return f"rf::ld(t_{name}[{off}])"
+        return f"t_{name}[{off}]"
 
     def free_offset(self, f: ReductionForm) -> str:
         if not f.free:
@@ -379,9 +397,58 @@ class _Kernel:
             self.emit(f"{ty} el_{let.name}[{self.chunk}];")
         self.emit(f"uint8_t el_ok[{self.chunk}];   // mask holds")
         self.emit(f"uint8_t el_cnt[{self.chunk}];  // counted by non-selection reductions (mask, not the mask value)")
+        if self.tcache is not None:
+            ch = self.chunk
+            self.emit(f"// the terms of {self.tcache.form}, kept for the per-element outputs (TermCache); a row longer "
+                      f"than {TCACHE_MAX} keeps none (tc_n 0: every chunk writes the first {ch})")
+            self.emit(f"const int64_t tc_n = ex_{ir.over} <= {TCACHE_MAX} ? ex_{ir.over} : 0;")
+            self.emit(f"const int64_t tc_chunks = (tc_n + {ch - 1}) / {ch};")
+            self.emit(f"std::vector<float> tcache_v(tc_n + {ch});")
+            self.emit("float* tcache = tcache_v.data();")
+            self.emit("std::vector<float> tcr_v(tc_chunks + 1);")
+            self.emit("float* tcr = tcr_v.data();")
+            for n, (x, _fresh) in enumerate(self.tcache.states):
+                self.emit(f"std::vector<float> tcm{n}_v(tc_chunks + 1);  // {x} per chunk")
+                self.emit(f"float* tcm{n} = tcm{n}_v.data();")
         for f in self.a.reductions:
             if f.name in self.key_arrays:
                 self.emit(f"float elk_{f.name}[{self.chunk}];  // selection keys of a chunk, computed branch-free")
+
+    def term_cache(self) -> TermCache | None:
+        """The sum whose terms serve the per-element outputs over the streamed axis (see TermCache), or None: the
+        ratio output / term (the term's states replaced by their per-chunk copies) must not depend on the
+        element. It is proved by simplification, which holds for finite values; the output checks at run time
+        that every chunk's ratio is finite and recomputes the elements otherwise."""
+        a, ir = self.a, self.ir
+        outs = [o for o in a.outputs if o.per_element and o.index[-1] == ir.over
+                and [n for n in o.index if n not in ir.rows] == [ir.over]]
+        if not outs:
+            return None
+        state_syms = {sym for roles in a.symbols.values() for sym in roles.values()}
+        for level in self.levels([f for f in a.reductions if f.stage == "stream"]):
+            scalar, _rest = self.level_split(level)
+            for f in scalar:
+                if f.op != "sum" or f.term is None:
+                    continue
+                states = [(x, sp.Symbol(f"tcm{n}", real=True))
+                          for n, x in enumerate(sorted(f.term.free_symbols & state_syms, key=str))]
+                term = f.term.xreplace(dict(states))
+                ratios = {}
+                for o in outs:
+                    r = sp.simplify(self.stored_value(o) / term)
+                    if not element_atoms(ir, r) and not r.has(sp.Sum) and r.is_finite is not False:
+                        ratios[o.name] = r
+                if ratios:
+                    return TermCache(f.name, states, ratios)
+        return None
+
+    def stored_value(self, o: Any) -> sp.Basic:
+        """An output's value, less a rounding to its own type that the store does anyway."""
+        store_rounds = {"rf::e4m3_t": cast_e4m3, "rf::half_t": cast_float16, "rf::bf16_t": cast_bfloat16}
+        value = o.value
+        if type(value) is store_rounds.get(self.types.get(f"out:{o.name}", "")):
+            value = value.args[0]  # the store rounds to the output's type: the same value, one conversion
+        return value
 
     def row_invariant_lets(self) -> set[str]:
         """Element lets that depend on the reduction index and on sizes and scalar arguments only (the expert group
@@ -523,6 +590,9 @@ class _Kernel:
                 self.emit_guard(f.name, "old")
         for level in self.levels(forms):
             self.run_level(level)
+            if self.tcache is not None and any(f.name == self.tcache.form for f in level):
+                for n, (x, _fresh) in enumerate(self.tcache.states):
+                    self.emit(f"tcm{n}[tc_n ? c0 / {self.chunk} : 0] = {self.pr.flt(x)};")
             for f in level:
                 if not f.free and not f.selection:
                     self.emit(f"const float st_{f.name}_new = st_{f.name};")
@@ -753,10 +823,22 @@ class _Kernel:
         for f in level:
             self.correct(f)
         scalar, rest = self.level_split(level)
-        if scalar:  # branch-free: masked elements hold the mask value and contribute the neutral element
-            self.element_loop(scalar, branch=False)
-        if rest:
+        reuse = self.shared_weights(scalar, rest)
+        if reuse:  # the GEMM fold's weights first: the sums below add them up instead of computing them again
             self.element_loop(rest, branch=True)
+        if scalar:  # branch-free: masked elements hold the mask value and contribute the neutral element
+            self.element_loop(scalar, branch=False, reuse=reuse)
+        if rest and not reuse:
+            self.element_loop(rest, branch=True)
+
+    def shared_weights(self, scalar: list[ReductionForm], rest: list[ReductionForm]) -> dict[str, str]:
+        """{sum: weight buffer} for the scalar sums of a level whose term is the weight of the level's GEMM fold
+        (softmax's denominator and the weights of its weighted sum are both exp(s - m)): an uncounted element has
+        weight 0, and a masked one holds the mask value, where the scalar path already takes the term to be 0."""
+        if self.plan is None or len(rest) != 1 or rest[0].name not in self.plan.folds:
+            return {}
+        g = self.plan.folds[rest[0].name]
+        return {f.name: g.wbuf for f in scalar if f.op == "sum" and f.term == g.outer}
 
     def level_split(self, level: list[ReductionForm]) -> tuple[list[ReductionForm], list[ReductionForm]]:
         """(branch-free scalar sums and maxima, the others) of one level."""
@@ -783,8 +865,11 @@ class _Kernel:
             else:
                 self.emit(f"st_{f.name} = st_{f.name} {op} {cname};")
 
-    def element_loop(self, forms: list[ReductionForm], branch: bool) -> None:
+    def element_loop(self, forms: list[ReductionForm], branch: bool, reuse: dict[str, str] | None = None) -> None:
+        """One chunk's elements folded into the states of `forms`; a sum named in `reuse` adds up that buffer of
+        the chunk's weights (shared_weights) instead of its term."""
         ir = self.ir
+        reuse = reuse or {}
         if not branch:  # vectorisable reductions into LANES partial results (a sum and a NaN-propagating max alike)
             self.block("")
             accs = {}
@@ -804,7 +889,11 @@ class _Kernel:
                     self.emit(f"for (int u = 0; u < {LANES}; ++u) {acc}_l[u] = {neutral};")
             # the chunk's constants (a state's function, 1 / sqrt(ss / N + eps)) once per chunk, not per element
             before = dict(self.local)
-            hoisted = [self.hoist(f.term) for f in forms]
+            hoisted = [self.hoist(f.term) if f.name not in reuse else sp.Symbol(self.fresh("wref"), real=True)
+                       for f in forms]
+            for f, h in zip(forms, hoisted):
+                if f.name in reuse:
+                    self.local[h] = f"{reuse[f.name]}[jj]"
             kept = {k: v for k, v in self.local.items() if k not in before}
             self.emit("int64_t jl = 0;")
             self.block(f"for (; jl + {LANES} <= cn; jl += {LANES})")
@@ -813,6 +902,7 @@ class _Kernel:
             self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
             self.emit(f"(void)ix_{ir.over};")
             terms = self.cse(hoisted)
+            terms = [self.kept_term(f, t) for f, t in zip(forms, terms)]
             for f, t in zip(forms, terms):
                 lane = accs[f.name] + "_l[u]"
                 if f.op in keyed:
@@ -826,13 +916,19 @@ class _Kernel:
             self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
             self.emit(f"(void)ix_{ir.over};")
             terms = self.cse(hoisted)
+            terms = [self.kept_term(f, t) for f, t in zip(forms, terms)]
             for f, t in zip(forms, terms):
                 self.emit(f"{accs[f.name]} = {self.fold(f.op, accs[f.name], self.pr.flt(t))};")
             self.end()
             for f in forms:
                 acc = accs[f.name]
-                lane = f"rf::unkey({acc}_l[u])" if f.op in keyed else acc + "_l[u]"
-                self.emit(f"for (int u = 0; u < {LANES}; ++u) {acc} = {self.fold(f.op, acc, lane)};")
+                if f.op in keyed:  # the lanes' keys folded as integers (vectorises), one key turned back
+                    self.emit(f"for (int u = 1; u < {LANES}; ++u) {acc}_l[0] = rf::k{f.op}({acc}_l[0], {acc}_l[u]);")
+                    self.emit(f"{acc} = {self.fold(f.op, acc, f'rf::unkey({acc}_l[0])')};")
+                elif f.op == "sum":  # pairwise, in vectors (a chain of scalar adds was 3 % of attention)
+                    self.emit(f"{acc} = {acc} + rf::lanes_total<{LANES}>({acc}_l);")
+                else:
+                    self.emit(f"for (int u = 0; u < {LANES}; ++u) {acc} = {self.fold(f.op, acc, acc + '_l[u]')};")
                 self.emit(f"st_{f.name} = {self.fold(f.op, f'st_{f.name}', acc)};")
             self.end()
             self.local = {}
@@ -966,6 +1062,17 @@ class _Kernel:
             self.emit(f"const {ty} {name} = {self.pr(value) if is_int else self.pr.flt(value)};")
             self.local[sym] = name
         return reduced
+
+    def kept_term(self, f: ReductionForm, t: sp.Basic) -> sp.Basic:
+        """t, and for the term cache's sum also stored as element c0 + jj of the row (TermCache)."""
+        if self.tcache is None or f.name != self.tcache.form:
+            return t
+        name = self.fresh("tv")
+        self.emit(f"const float {name} = {self.pr.flt(t)};")
+        self.emit(f"tcache[(tc_n ? c0 : 0) + jj] = {name};")
+        sym = sp.Symbol(name, real=True)
+        self.local[sym] = name
+        return sym
 
     def fold(self, op: str, acc: str, value: str) -> str:
         if op == "sum":
@@ -1121,10 +1228,10 @@ class _Kernel:
             spec_out = next(x for x in self.spec.outputs if x.name == o.name)
             loops = [n for n in o.index if n not in ir.rows]
             self.emit(f"// output {o.name}")
-            value = o.value
-            store_rounds = {"rf::e4m3_t": cast_e4m3, "rf::half_t": cast_float16, "rf::bf16_t": cast_bfloat16}
-            if type(value) is store_rounds.get(self.types[f"out:{o.name}"]):
-                value = value.args[0]  # the store rounds to the output's type: the same value, one conversion
+            value = self.stored_value(o)
+            cached = self.tcache is not None and o.name in self.tcache.ratios
+            if cached:
+                self.cached_output(o)
             if o.per_element:  # row constants of a per-element value: once per row, not once per element
                 value = self.hoist(value, tuple(loops))
             last = len(o.index) - 1
@@ -1141,7 +1248,39 @@ class _Kernel:
                 self.local = saved
                 self.output_loops(o, loops, value, False)
                 self.end()
+            if cached:
+                self.end()
             del spec_out
+
+    def cached_output(self, o: Any) -> None:
+        """Open `if (the kept terms serve) { ... } else {` for a per-element output of the term cache: each element
+        is its kept term times its chunk's ratio (TermCache). The caller's loops, recomputing every element, go
+        in the else branch, taken for rows longer than TCACHE_MAX and where a ratio is not finite."""
+        ir, tc, ch = self.ir, self.tcache, self.chunk
+        self.emit(f"// output {o.name} from the kept terms of {tc.form}: the term times its chunk's ratio")
+        for n, (_x, fresh) in enumerate(tc.states):
+            self.local[fresh] = f"tcm{n}[tc]"
+        self.emit("bool tc_ok = tc_n > 0;")
+        self.block("for (int64_t tc = 0; tc < tc_chunks; ++tc)")
+        self.emit(f"tcr[tc] = {self.pr.flt(tc.ratios[o.name])};")
+        self.emit("tc_ok = tc_ok && rf::is_finite_bits(tcr[tc]);")
+        self.end()
+        for _x, fresh in tc.states:
+            del self.local[fresh]
+        self.block("if (tc_ok)")
+        self.block("for (int64_t tc = 0; tc < tc_chunks; ++tc)")
+        self.emit("const float r = tcr[tc];")
+        self.emit(f"const int64_t e1 = std::min<int64_t>(ex_{ir.over}, (tc + 1) * {ch});")
+        last = len(o.index) - 1
+        for unit in (True, False):
+            off = " + ".join(f"ix_{n}" if unit and d == last else f"ix_{n} * ost_{o.name}[{d}]"
+                             for d, n in enumerate(o.index))
+            self.emit(("if" if unit else "else") + (f" (ost_{o.name}[{last}] == 1)" if unit else ""))
+            self.emit(f"  for (int64_t ix_{ir.over} = tc * {ch}; ix_{ir.over} < e1; ++ix_{ir.over}) "
+                      f"rf::store(&o_{o.name}[{off}], tcache[ix_{ir.over}] * r);")
+        self.end()
+        self.end("} else {")
+        self.ind += 1
 
     def output_loops(self, o: Any, loops: list[str], value: sp.Basic, unit: bool) -> None:
         ir = self.ir

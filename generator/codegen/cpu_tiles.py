@@ -31,7 +31,7 @@ import sympy as sp
 
 from ..spec import DTYPE_BYTES
 
-RBLK = 64  # most rows of one block (the M side of the GEMM tiles)
+RBLK = 128  # most rows of one block (the M side of the GEMM tiles)
 NTILE = 256  # columns of a free index per packed tile of a GEMM fold
 WCHUNK = 256  # the chunk of block kernels with an NT fold (block_chunk)
 
@@ -385,6 +385,20 @@ def _pack_sum(k, g: GemmSum) -> None:
             [f"b{g.dots}[r0 * {ch} + jb + {u}] = d{u};"]), c, None)
         k.end("} else {")
         k.ind += 1
+    rows = _row_stride(k, g.elem, g.c)
+    if rows is not None:
+        k.emit("bool every = true;  // every element of the chunk read by some row of the run")
+        k.emit(f"for (int64_t jj = 0; jj < cn && every; ++jj) {{ bool any = false; "
+               f"for (int64_t q = r0; q < r1 && !any; ++q) any = bel_ok[q * {ch} + jj]; every = any; }}")
+        k.block("if (every)")
+        k.emit("// the operand's rows are contiguous along the contraction: transposed 8 x 8 blocks at a time")
+        bind_row(k, "r0", light=True)
+        first, stride = rows
+        k.emit(f"rf::pack_transposed(cn, ex_{c}, &{first} + c0 * {stride}, {stride}, {g.pack}, {ch});")
+        k.emit(f"for (int64_t ix_{c} = 0; ix_{c} < ex_{c}; ++ix_{c}) "
+               f"std::fill({g.pack} + ix_{c} * {ch} + cn, {g.pack} + (ix_{c} + 1) * {ch}, 0.0f);")
+        k.end("} else {")
+        k.ind += 1
     k.block(f"for (int64_t jj = 0; jj < {ch}; ++jj)")
     _first_row(k, "ok", "jj < cn")
     k.block("if (rs < 0)")
@@ -396,12 +410,30 @@ def _pack_sum(k, g: GemmSum) -> None:
     k.emit(f"(void)ix_{ir.over};")
     k.emit(f"for (int64_t ix_{c} = 0; ix_{c} < ex_{c}; ++ix_{c}) {g.pack}[ix_{c} * {ch} + jj] = {k.pr.flt(g.elem)};")
     k.end()
+    if rows is not None:
+        k.end()
     k.emit(f"rf::gemm_tile(r1 - r0, {ch}, ex_{c}, b{buf} + r0 * ex_{c}, ex_{c}, {g.pack}, {ch}, b{g.dots} + r0 * {ch}, "
            f"{ch}, false);")
     if one:
         k.end()
     k.end()
     k.end()
+
+
+def _row_stride(k, e: sp.Expr, axis: sp.Symbol) -> tuple[str, str] | None:
+    """For a streamed factor that is one read of an input, unit-strided along `axis` (the contraction) and indexed
+    by the streamed index itself: (its element at streamed index 0 and axis index 0, the stride between streamed
+    indices), so that a chunk's elements are rows `stride` apart; else None."""
+    over = k.ir.indices[k.ir.over]
+    if not isinstance(e, sp.Indexed) or not _unit_last(k, e, axis):
+        return None
+    at = [d for d, i in enumerate(e.indices) if i == over]
+    if len(at) != 1 or any(over in i.free_symbols for d, i in enumerate(e.indices) if d != at[0]):
+        return None
+    name = str(e.base.label)
+    zero = tuple(sp.Integer(0) if i in (over, axis) else i for i in e.indices)
+    first = k.tensor_element(name, zero)
+    return first, f"st_{name}[{at[0]}]"
 
 
 def _unit_last(k, e: sp.Expr, axis: sp.Symbol) -> bool:

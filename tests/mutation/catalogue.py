@@ -283,6 +283,27 @@ MUTANTS: list[Mutant] = [
       "the NT tile's four-column reduction reads the third column's accumulators for the fourth: every fourth "
       "output column of the fp8 GEMM is a copy of the one before it (every x86 level)",
       ("tests/test_fp8_quant_gemm.py", *NOSLOW), ),
+    M("cpu-math-transpose-mask", "ops_src/cpu_math.h",
+      "  const vi8s lo4{0, 1, 2, 3, 8, 9, 10, 11}, hi4{4, 5, 6, 7, 12, 13, 14, 15};\n",
+      "  const vi8s lo4{0, 1, 2, 3, 8, 9, 10, 11}, hi4{4, 5, 6, 7, 12, 13, 14, 14};\n",
+      "the transposing pack of the score GEMM's operand takes a wrong lane in its last shuffle: one key channel of "
+      "every 8 x 8 block is the wrong key's",
+      ("tests/test_cpu_math_exhaustive.py", "-k", "x86"), ),
+    M("cpu-lanes-total-last-halving-dropped", "ops_src/cpu_math.h",
+      "  for (int w = N / 2; w >= 1; w /= 2)\n",
+      "  for (int w = N / 2; w > 1; w /= 2)\n",
+      "the pairwise sum of a vectorised fold's lanes stops one halving early: half of the lanes are not added",
+      ROWS, ),
+    M("cpu-shared-weights-wrong-element", "generator/codegen/cpu.py",
+      'self.local[h] = f"{reuse[f.name]}[jj]"', 'self.local[h] = f"{reuse[f.name]}[0]"',
+      "the softmax denominator, summed from the weights of the GEMM fold, adds the chunk's first weight for every "
+      "element",
+      ATTN, ),
+    M("cpu-kept-terms-finite-check-dropped", "generator/codegen/cpu.py",
+      'self.emit("tc_ok = tc_ok && rf::is_finite_bits(tcr[tc]);")', 'self.emit("(void)tcr[tc];")',
+      "a per-element output is served from the kept terms even where a chunk's ratio is not finite (a leading "
+      "chunk of -inf, m = -100: 0 x inf)",
+      ("tests/test_per_element_outputs.py", "-k", "softmax"), ),
     M("cpu-math-lane-sums-avx2-mask", "ops_src/cpu_math.h",
       "  const vi8 lo{0, 1, 8, 9, 4, 5, 12, 13}, hi{2, 3, 10, 11, 6, 7, 14, 15};\n",
       "  const vi8 lo{0, 1, 8, 9, 4, 5, 12, 13}, hi{2, 3, 10, 11, 6, 7, 14, 14};\n",
