@@ -424,15 +424,16 @@ inline void gemm_tile_nt(REDFUSER_GEMM_ARGS) { gemm_nt_rows<vf4, 2, 4>(M, N, K, 
 #endif
 #undef REDFUSER_GEMM_ARGS
 
-// dst[c * ldd + r] = src[r * lds + c] widened to float, for r < R, c < C: a streamed operand read along its
-// contraction index (K[j, c] for scores = Q x K^T) packed as the [c][j] tile gemm_tile reads. 8 x 8 blocks are
-// transposed in registers by three rounds of two-source shuffles (pairs of rows, pairs of pairs, halves), 24
-// shuffles per 64 elements, with contiguous loads and stores; the element-wise pack stored every element to its
-// own cache line (14 % of fused_attention's fp32 time at S 1024). Remainder rows and columns element by element.
+// dst[c * ldd + r] = rows[r][c] widened to float, for r < R, c < C: a streamed operand read along its contraction
+// index (K[j, c] for scores = Q x K^T, rows anywhere: pages of a paged cache) packed as the [c][j] tile gemm_tile
+// reads. 8 x 8 blocks are transposed in registers by three rounds of two-source shuffles (pairs of rows, pairs of
+// pairs, halves), 24 shuffles per 64 elements, with contiguous loads and stores; the element-wise pack stored every
+// element to its own cache line (14 % of fused_attention's fp32 time at S 1024, 75 % of mla_decode's). Remainder
+// rows and columns element by element.
 typedef int32_t vi8s __attribute__((vector_size(32)));
 template <class T>
-__attribute__((always_inline)) inline void pack_transposed(int64_t R, int64_t C, const T* __restrict__ src, int64_t lds, float* __restrict__ dst,
-                            int64_t ldd) {
+__attribute__((always_inline)) inline void pack_transposed(int64_t R, int64_t C, const T* const* rows,
+                                                           float* __restrict__ dst, int64_t ldd) {
   const vi8s ev{0, 8, 2, 10, 4, 12, 6, 14}, od{1, 9, 3, 11, 5, 13, 7, 15};
   const vi8s lo2{0, 1, 8, 9, 4, 5, 12, 13}, hi2{2, 3, 10, 11, 6, 7, 14, 15};
   const vi8s lo4{0, 1, 2, 3, 8, 9, 10, 11}, hi4{4, 5, 6, 7, 12, 13, 14, 15};
@@ -443,7 +444,7 @@ __attribute__((always_inline)) inline void pack_transposed(int64_t R, int64_t C,
       vf8 x[8];
       for (int i = 0; i < 8; ++i) {
         float row[8];
-        for (int e = 0; e < 8; ++e) row[e] = ld(src[(r0 + i) * lds + c0 + e]);
+        for (int e = 0; e < 8; ++e) row[e] = ld(rows[r0 + i][c0 + e]);
         std::memcpy(&x[i], row, sizeof(vf8));
       }
       vf8 p[8], q[8];
@@ -464,10 +465,10 @@ __attribute__((always_inline)) inline void pack_transposed(int64_t R, int64_t C,
       }
     }
     for (; c0 < C; ++c0)
-      for (int i = 0; i < 8; ++i) dst[c0 * ldd + r0 + i] = ld(src[(r0 + i) * lds + c0]);
+      for (int i = 0; i < 8; ++i) dst[c0 * ldd + r0 + i] = ld(rows[r0 + i][c0]);
   }
   for (; r0 < R; ++r0)
-    for (int64_t c = 0; c < C; ++c) dst[c * ldd + r0] = ld(src[r0 * lds + c]);
+    for (int64_t c = 0; c < C; ++c) dst[c * ldd + r0] = ld(rows[r0][c]);
 }
 
 // whether a float is finite (bit test: -ffast-math cannot fold it away)

@@ -50,10 +50,10 @@ static int check(const char* name, Gemm f, bool nt) {
   return bad;
 }
 
-// dst[c][r] == src[r][c] for every block size and remainder, rows strided past their width, the destination's
-// columns past R untouched; a copy, so exact
+// dst[c][r] == rows[r][c] for every block size and remainder, rows placed in reverse (as pages may be), the
+// destination's columns past R untouched; a copy, so exact
 template <class T>
-using Pack = void (*)(int64_t, int64_t, const T*, int64_t, float*, int64_t);
+using Pack = void (*)(int64_t, int64_t, const T* const*, float*, int64_t);
 template <class T>
 static int check_pack(const char* name, Pack<T> f) {
   int bad = 0;
@@ -62,15 +62,17 @@ static int check_pack(const char* name, Pack<T> f) {
     for (int C : {1, 7, 8, 9, 17, 128, 576}) {
       const int64_t lds = C + 5, ldd = 64 + 3;
       std::vector<T> src(R * lds);
+      std::vector<const T*> rows(R);
+      for (int r = 0; r < R; ++r) rows[r] = src.data() + (R - 1 - r) * lds;
       std::vector<float> dst(C * ldd, -7.0f);
       for (auto& v : src) {
         seed = seed * 1664525u + 1013904223u;
         v = rf::from_float<T>(static_cast<float>(seed >> 8) / 65536.0f - 128.0f);
       }
-      f(R, C, src.data(), lds, dst.data(), ldd);
+      f(R, C, rows.data(), dst.data(), ldd);
       for (int c = 0; c < C; ++c)
         for (int64_t r = 0; r < ldd; ++r) {
-          const float want = r < R ? rf::ld(src[r * lds + c]) : -7.0f;
+          const float want = r < R ? rf::ld(rows[r][c]) : -7.0f;
           if (dst[c * ldd + r] != want && bad++ < 5)
             std::printf("%s R%d C%d [%d][%ld]: %g, want %g\n", name, R, C, c, long(r), dst[c * ldd + r], want);
         }
@@ -80,8 +82,8 @@ static int check_pack(const char* name, Pack<T> f) {
 }
 #define PACK_AT(level, attr)                                                                                    \
   template <class T>                                                                                            \
-  attr static void pack_##level(int64_t R, int64_t C, const T* s, int64_t lds, float* d, int64_t ldd) {         \
-    rf::pack_transposed(R, C, s, lds, d, ldd);                                                                  \
+  attr static void pack_##level(int64_t R, int64_t C, const T* const* rows, float* d, int64_t ldd) {           \
+    rf::pack_transposed(R, C, rows, d, ldd);                                                                    \
   }
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 PACK_AT(v4, __attribute__((target("arch=x86-64-v4"))))

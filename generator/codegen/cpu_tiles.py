@@ -32,6 +32,7 @@ import sympy as sp
 from ..spec import DTYPE_BYTES
 
 RBLK = 128  # most rows of one block (the M side of the GEMM tiles)
+NT_RUN = 32  # runs of at most this many rows take a contraction's rows unpacked, in the NT tile
 NTILE = 256  # columns of a free index per packed tile of a GEMM fold
 WCHUNK = 256  # the chunk of block kernels with an NT fold (block_chunk)
 
@@ -204,6 +205,10 @@ def block_storage(k) -> None:
         k.emit(f"float* b{g.dots} = b{g.dots}_v.data();")
         k.emit(f"std::vector<float> {g.pack}_v(ex_{g.c.name} * {ch});  // the streamed factor, [c][element]")
         k.emit(f"float* {g.pack} = {g.pack}_v.data();")
+        if _row_read(k, g):
+            ty = k.types[str(g.elem.base.label)]
+            k.emit(f"std::vector<{ty}> {g.pack}_zero_v(ex_{g.c.name});  // the row of an element no row reads")
+            k.emit(f"const {ty}* {g.pack}_rows[{ch}];  // where each element's row of the streamed factor starts")
     for g in plan.folds.values():
         k.emit(f"std::vector<float> b{g.wbuf}_v({ch * RBLK});  // weights of the fold of {g.name}")
         k.emit(f"float* b{g.wbuf} = b{g.wbuf}_v.data();")
@@ -385,55 +390,63 @@ def _pack_sum(k, g: GemmSum) -> None:
             [f"b{g.dots}[r0 * {ch} + jb + {u}] = d{u};"]), c, None)
         k.end("} else {")
         k.ind += 1
-    rows = _row_stride(k, g.elem, g.c)
-    if rows is not None:
-        k.emit("bool every = true;  // every element of the chunk read by some row of the run")
-        k.emit(f"for (int64_t jj = 0; jj < cn && every; ++jj) {{ bool any = false; "
-               f"for (int64_t q = r0; q < r1 && !any; ++q) any = bel_ok[q * {ch} + jj]; every = any; }}")
-        k.block("if (every)")
-        k.emit("// the operand's rows are contiguous along the contraction: transposed 8 x 8 blocks at a time")
-        bind_row(k, "r0", light=True)
-        first, stride = rows
-        k.emit(f"rf::pack_transposed(cn, ex_{c}, &{first} + c0 * {stride}, {stride}, {g.pack}, {ch});")
-        k.emit(f"for (int64_t ix_{c} = 0; ix_{c} < ex_{c}; ++ix_{c}) "
-               f"std::fill({g.pack} + ix_{c} * {ch} + cn, {g.pack} + (ix_{c} + 1) * {ch}, 0.0f);")
+    if _row_read(k, g):
+        k.emit("// the chunk's rows of the operand, contiguous along the contraction")
+        name = str(g.elem.base.label)
+        first = tuple(sp.Integer(0) if i == g.c else i for i in g.elem.indices)
+        _each_element(k, f"{g.pack}_rows[jj] = {g.pack}_zero_v.data();",
+                      f"{g.pack}_rows[jj] = &{k.tensor_element(name, first)};")
+        k.block(f"if (r1 - r0 <= {NT_RUN})")
+        k.emit("// a short run (decode heads): the rows as they are, widened, and the NT tile: a transpose per tile "
+               "costs as much as the GEMM at so few rows")
+        k.emit(f"for (int64_t jj = 0; jj < {ch}; ++jj) for (int64_t ix_{c} = 0; ix_{c} < ex_{c}; ++ix_{c}) "
+               f"{g.pack}[jj * ex_{c} + ix_{c}] = rf::ld({g.pack}_rows[jj][ix_{c}]);")
+        k.emit(f"rf::gemm_tile_nt(r1 - r0, {ch}, ex_{c}, b{buf} + r0 * ex_{c}, ex_{c}, {g.pack}, ex_{c}, "
+               f"b{g.dots} + r0 * {ch}, {ch}, false);")
         k.end("} else {")
         k.ind += 1
-    k.block(f"for (int64_t jj = 0; jj < {ch}; ++jj)")
-    _first_row(k, "ok", "jj < cn")
-    k.block("if (rs < 0)")
-    k.emit(f"for (int64_t ix_{c} = 0; ix_{c} < ex_{c}; ++ix_{c}) {g.pack}[ix_{c} * {ch} + jj] = 0.0f;")
-    k.emit("continue;")
-    k.end()
-    bind_row(k, "rs", light=True)
-    k.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
-    k.emit(f"(void)ix_{ir.over};")
-    k.emit(f"for (int64_t ix_{c} = 0; ix_{c} < ex_{c}; ++ix_{c}) {g.pack}[ix_{c} * {ch} + jj] = {k.pr.flt(g.elem)};")
-    k.end()
-    if rows is not None:
+        k.emit("// a long run: transposed 8 x 8 at a time into the [c][element] tile")
+        k.emit(f"rf::pack_transposed({ch}, ex_{c}, {g.pack}_rows, {g.pack}, {ch});")
+        _score_gemm(k, g, buf)
         k.end()
-    k.emit(f"rf::gemm_tile(r1 - r0, {ch}, ex_{c}, b{buf} + r0 * ex_{c}, ex_{c}, {g.pack}, {ch}, b{g.dots} + r0 * {ch}, "
-           f"{ch}, false);")
+    else:
+        _each_element(k, f"for (int64_t ix_{c} = 0; ix_{c} < ex_{c}; ++ix_{c}) {g.pack}[ix_{c} * {ch} + jj] = 0.0f;",
+                      f"for (int64_t ix_{c} = 0; ix_{c} < ex_{c}; ++ix_{c}) {g.pack}[ix_{c} * {ch} + jj] = "
+                      f"{k.pr.flt(g.elem)};")
+        _score_gemm(k, g, buf)
     if one:
         k.end()
     k.end()
     k.end()
 
 
-def _row_stride(k, e: sp.Expr, axis: sp.Symbol) -> tuple[str, str] | None:
-    """For a streamed factor that is one read of an input, unit-strided along `axis` (the contraction) and indexed
-    by the streamed index itself: (its element at streamed index 0 and axis index 0, the stride between streamed
-    indices), so that a chunk's elements are rows `stride` apart; else None."""
-    over = k.ir.indices[k.ir.over]
-    if not isinstance(e, sp.Indexed) or not _unit_last(k, e, axis):
-        return None
-    at = [d for d, i in enumerate(e.indices) if i == over]
-    if len(at) != 1 or any(over in i.free_symbols for d, i in enumerate(e.indices) if d != at[0]):
-        return None
-    name = str(e.base.label)
-    zero = tuple(sp.Integer(0) if i in (over, axis) else i for i in e.indices)
-    first = k.tensor_element(name, zero)
-    return first, f"st_{name}[{at[0]}]"
+def _each_element(k, dead: str, live: str) -> None:
+    """For each element jj of the chunk: `live` with the names of the first row of the run that reads it bound,
+    or `dead` where no row does (and for jj past the chunk's end)."""
+    k.block(f"for (int64_t jj = 0; jj < {k.chunk}; ++jj)")
+    _first_row(k, "ok", "jj < cn")
+    k.block("if (rs < 0)")
+    k.emit(dead)
+    k.emit("continue;")
+    k.end()
+    bind_row(k, "rs", light=True)
+    k.emit(f"const int64_t ix_{k.ir.over} = c0 + jj;")
+    k.emit(f"(void)ix_{k.ir.over};")
+    k.emit(live)
+    k.end()
+
+
+def _score_gemm(k, g: GemmSum, buf: str) -> None:
+    ch, c = k.chunk, g.c.name
+    k.emit(f"rf::gemm_tile(r1 - r0, {ch}, ex_{c}, b{buf} + r0 * ex_{c}, ex_{c}, {g.pack}, {ch}, b{g.dots} + r0 * {ch}, "
+           f"{ch}, false);")
+
+
+def _row_read(k, g: GemmSum) -> bool:
+    """Whether a contraction's streamed factor is one read of an input, unit-strided along the contraction index
+    (and indexed by it nowhere else): each element's factor is then a contiguous row, wherever it lies (a page of
+    a paged cache), and the pack transposes rows."""
+    return isinstance(g.elem, sp.Indexed) and _unit_last(k, g.elem, g.c)
 
 
 def _unit_last(k, e: sp.Expr, axis: sp.Symbol) -> bool:

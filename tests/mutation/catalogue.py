@@ -283,6 +283,12 @@ MUTANTS: list[Mutant] = [
       "the NT tile's four-column reduction reads the third column's accumulators for the fourth: every fourth "
       "output column of the fp8 GEMM is a copy of the one before it (every x86 level)",
       ("tests/test_fp8_quant_gemm.py", *NOSLOW), ),
+    M("tiles-short-run-nt-gemm-drops-last-row", "generator/codegen/cpu_tiles.py",
+      'k.emit(f"rf::gemm_tile_nt(r1 - r0, {ch}, ex_{c}, b{buf} + r0 * ex_{c}',
+      'k.emit(f"rf::gemm_tile_nt(r1 - r0 - 1, {ch}, ex_{c}, b{buf} + r0 * ex_{c}',
+      "the score GEMM of a short run of rows (decode heads, the NT tile on the operand's rows) computes one row "
+      "too few: the last head of each run keeps stale scores",
+      ("tests/test_mla_decode.py", *NOSLOW), ),
     M("cpu-math-transpose-mask", "ops_src/cpu_math.h",
       "  const vi8s lo4{0, 1, 2, 3, 8, 9, 10, 11}, hi4{4, 5, 6, 7, 12, 13, 14, 15};\n",
       "  const vi8s lo4{0, 1, 2, 3, 8, 9, 10, 11}, hi4{4, 5, 6, 7, 12, 13, 14, 14};\n",
