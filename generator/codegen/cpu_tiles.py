@@ -373,7 +373,7 @@ def _first_row(k, flags: str, cond: str = "true") -> None:
 
 
 def _pack_sum(k, g: GemmSum) -> None:
-    ir, ch = k.ir, k.chunk
+    ch = k.chunk
     c = g.c.name
     k.block("")
     k.emit(f"// {g.s}: the streamed factor packed once for the run, then one GEMM tile")
