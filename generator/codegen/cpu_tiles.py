@@ -608,9 +608,11 @@ PREFETCH_ROWS = 16  # how far ahead (rows of n) an NT pack prefetches its weight
 
 def _elem_bytes(k, name: str) -> int:
     """The widest element of a tensor's dtypes (bytes), as the kernel reads it."""
-    if name in k.floats:
+    if name in k.floats and name not in k.native:
         return 4  # converted to float32 by the glue
-    return max(DTYPE_BYTES[d] for d in k.spec.arg(name).dtypes or ("float32",))
+    arg = k.spec.arg(name)
+    dtypes = k.spec.arg(arg.same_as).dtypes if arg.same_as else arg.dtypes
+    return max(DTYPE_BYTES[d] for d in dtypes or ("float32",))
 
 
 def _prefetch_rows(k, g: GemmFold) -> None:
