@@ -217,6 +217,7 @@ def block_storage(k) -> None:
         else:
             k.emit(f"std::vector<float> {g.pack}_v({ch * NTILE});  // the streamed factor, [element][{g.free}]")
         k.emit(f"float* {g.pack} = {g.pack}_v.data();")
+    k.emit(f"uint8_t row_sees[{RBLK}];  // per row of the block: whether the mask shows it any element of the chunk")
     for n in ir.rows:
         k.emit(f"int64_t rix_{n}[{RBLK}];")
     k.emit(f"double rkey[{RBLK * max(1, len(plan.keys))}];  // the streamed operand's row-dependent indices")
@@ -321,10 +322,21 @@ def emit_blocked(k, head: str) -> str:
             k.block("for (int64_t jj = 0; jj < cn; ++jj)")
             k.mask_and_early_lets(plan.late)
             k.end()
+            k.emit("uint8_t any_ok = 0;  // whether the row sees any element of the chunk (an OR that vectorises)")
+            k.emit("for (int64_t jj = 0; jj < cn; ++jj) any_ok |= el_ok[jj];")
+            k.emit("row_sees[rb] = any_ok;")
             k.end()
             for g in plan.sums:
                 _pack_sum(k, g)
             _per_row(k, before)
+            k.block("if (!row_sees[rb])")
+            k.emit("// a chunk the mask hides from this row (causal attention past the diagonal) adds nothing to its "
+                   "states: its updates are skipped, its elements counted nowhere and its fold weights 0")
+            k.emit("std::fill(el_cnt, el_cnt + cn, uint8_t(0));")
+            for g in plan.folds.values():
+                k.emit(f"std::fill({g.wbuf}, {g.wbuf} + {ch}, 0.0f);")
+            k.emit("continue;")
+            k.end()
             k.block("for (int64_t jj = 0; jj < cn; ++jj)")
             k.late_lets(plan.late, {g.s: g.dots for g in plan.sums})
             k.emit(f"el_cnt[jj] = {k.counted()};")
@@ -360,8 +372,12 @@ def _any_live(k, flags: str) -> None:
     """Open a block that runs only where some row of the run has some element of the chunk in `flags`: a chunk that
     no row sees (causal attention past the diagonal) adds nothing, so its tile is neither packed nor multiplied."""
     ch = k.chunk
-    k.emit("bool live = false;")
-    k.emit(f"for (int64_t q = r0; q < r1 && !live; ++q) for (int64_t jj = 0; jj < cn; ++jj) live = live || bel_{flags}[q * {ch} + jj];")
+    if flags == "ok":
+        k.emit("bool live = false;")
+        k.emit("for (int64_t q = r0; q < r1; ++q) live = live || row_sees[q];")
+    else:  # a row's flags ORed (vectorises), rows until one has any
+        k.emit("uint8_t live = 0;")
+        k.emit(f"for (int64_t q = r0; q < r1 && !live; ++q) for (int64_t jj = 0; jj < cn; ++jj) live |= bel_{flags}[q * {ch} + jj];")
     k.block("if (live)")
 
 

@@ -289,6 +289,11 @@ MUTANTS: list[Mutant] = [
       "the score GEMM of a short run of rows (decode heads, the NT tile on the operand's rows) computes one row "
       "too few: the last head of each run keeps stale scores",
       ("tests/test_mla_decode.py", *NOSLOW), ),
+    M("tiles-hidden-row-keeps-stale-weights", "generator/codegen/cpu_tiles.py",
+      'k.emit(f"std::fill({g.wbuf}, {g.wbuf} + {ch}, 0.0f);")', 'k.emit(f"(void){g.wbuf};")',
+      "a row that the mask hides from a chunk skips its update but keeps the previous chunk's fold weights: the "
+      "run's GEMM tile adds that chunk's values again (causal rows of a tile on the diagonal)",
+      ATTN, ),
     M("cpu-math-transpose-mask", "ops_src/cpu_math.h",
       "  const vi8s lo4{0, 1, 2, 3, 8, 9, 10, 11}, hi4{4, 5, 6, 7, 12, 13, 14, 15};\n",
       "  const vi8s lo4{0, 1, 2, 3, 8, 9, 10, 11}, hi4{4, 5, 6, 7, 12, 13, 14, 14};\n",
