@@ -74,8 +74,11 @@ def test_attention_contraction_and_weighted_sum_are_gemm_tiles():
         assert "walked in the order (b, h, i)" in body
         assert "rkey[rb * 2 + 0] = static_cast<double>(ix_b);" in body
         assert "rkey[rb * 2 + 1] = static_cast<double>(lt_g);" in body
-        # q . k: K packed once per chunk for the run ([c][element]), then one GEMM tile against the q rows
-        assert re.search(r"pk\d+\[ix_c \* 64 \+ jj\] = rf::ld\(t_k\[", body)
+        # q . k: each element's K row located once per chunk for the run, then packed by register transposes
+        # ([c][element]) and one GEMM tile against the q rows (a short run: the rows widened and the NT tile)
+        assert re.search(r"pk\d+_rows\[jj\] = &t_k\[", body)
+        assert re.search(r"rf::pack_transposed\(64, ex_c, pk\d+_rows, pk\d+, 64\);", body)
+        assert re.search(r"rf::gemm_tile_nt\(r1 - r0, 64, ex_c, browbuf\d+ \+ r0 \* ex_c, ex_c, pk\d+, ex_c", body)
         assert re.search(r"rf::gemm_tile\(r1 - r0, 64, ex_c, browbuf\d+ \+ r0 \* ex_c, ex_c, pk\d+, 64, bdots\d+", body)
         assert re.search(r"el_s\[jj\] = \(p_softmax_scale \* dots\d+\[jj\]\);", body)
         assert not re.search(r"float dot\d+ = 0.0f;", body)
