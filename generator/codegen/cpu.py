@@ -109,7 +109,7 @@ def native_inputs(op: OpAnalysis) -> set[str]:
     """Floating inputs that the CPU kernels read in their own dtype instead of the whole tensor converted to float32
     by the glue per call. Where any specialisation is a row kernel: all of them (each element is widened where it is
     read, by branch-free bit arithmetic that vectorises; the glue's conversion was a second pass over the input and a
-    float32 copy twice its size: logsumexp over bf16 rows of 128k, 1 thread: 1.80 -> 1.49 ms). Where every
+    float32 copy twice its size: a log-sum-exp over bf16 rows of 128k, 1 thread: 1.80 -> 1.49 ms). Where every
     specialisation is a block kernel: the tensors read only as a streamed factor of its GEMM tiles, widened per
     packed tile in the pack loops (the whole paged MLA cache, referenced or not, otherwise)."""
     spec = op.spec
