@@ -430,13 +430,12 @@ inline void gemm_tile_nt(REDFUSER_GEMM_ARGS) { gemm_nt_rows<vf4, 2, 4>(M, N, K, 
 // pairs, halves), 24 shuffles per 64 elements, with contiguous loads and stores; the element-wise pack stored every
 // element to its own cache line (14 % of fused_attention's fp32 time at S 1024, 75 % of mla_decode's). Remainder
 // rows and columns element by element.
-typedef int32_t vi8s __attribute__((vector_size(32)));
 template <class T>
 __attribute__((always_inline)) inline void pack_transposed(int64_t R, int64_t C, const T* const* rows,
                                                            float* __restrict__ dst, int64_t ldd) {
-  const vi8s ev{0, 8, 2, 10, 4, 12, 6, 14}, od{1, 9, 3, 11, 5, 13, 7, 15};
-  const vi8s lo2{0, 1, 8, 9, 4, 5, 12, 13}, hi2{2, 3, 10, 11, 6, 7, 14, 15};
-  const vi8s lo4{0, 1, 2, 3, 8, 9, 10, 11}, hi4{4, 5, 6, 7, 12, 13, 14, 15};
+  const vi8 ev{0, 8, 2, 10, 4, 12, 6, 14}, od{1, 9, 3, 11, 5, 13, 7, 15};
+  const vi8 lo2{0, 1, 8, 9, 4, 5, 12, 13}, hi2{2, 3, 10, 11, 6, 7, 14, 15};
+  const vi8 lo4{0, 1, 2, 3, 8, 9, 10, 11}, hi4{4, 5, 6, 7, 12, 13, 14, 15};
   int64_t r0 = 0;
   for (; r0 + 8 <= R; r0 += 8) {
     int64_t c0 = 0;

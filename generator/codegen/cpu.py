@@ -40,6 +40,7 @@ from .cpu_tiles import (
 CHUNK = 64
 ROW_CHUNK = 512  # the chunk of plain row kernels (see CpuKernel.chunk)
 LANES = 16  # partial results of a branch-free reduction over a chunk (one vector of floats on AVX-512)
+UNROLL = 4  # elements of a chunk that share one pass over a contraction axis or a free axis
 TCACHE_MAX = 1 << 18  # longest row whose summed terms are kept for its per-element outputs (1 MiB of floats)
 
 
@@ -53,7 +54,8 @@ class TermCache:
     form: str
     states: list[tuple[sp.Symbol, sp.Symbol]]  # (state symbol in the term, its per-chunk copy in the ratios)
     ratios: dict[str, sp.Expr]
-UNROLL = 4  # elements of a chunk that share one pass over a contraction axis or a free axis
+
+
 # one copy of each kernel per x86-64 level, chosen at load time (glibc ifunc): AVX-512 / AVX2+FMA / baseline,
 # so that one wheel runs everywhere and the inner loops use the widest vectors the CPU has
 TARGET_CLONES = (
@@ -1271,13 +1273,10 @@ class _Kernel:
         self.block("for (int64_t tc = 0; tc < tc_chunks; ++tc)")
         self.emit("const float r = tcr[tc];")
         self.emit(f"const int64_t e1 = std::min<int64_t>(ex_{ir.over}, (tc + 1) * {ch});")
-        last = len(o.index) - 1
         for unit in (True, False):
-            off = " + ".join(f"ix_{n}" if unit and d == last else f"ix_{n} * ost_{o.name}[{d}]"
-                             for d, n in enumerate(o.index))
-            self.emit(("if" if unit else "else") + (f" (ost_{o.name}[{last}] == 1)" if unit else ""))
+            self.emit(f"if (ost_{o.name}[{len(o.index) - 1}] == 1)" if unit else "else")
             self.emit(f"  for (int64_t ix_{ir.over} = tc * {ch}; ix_{ir.over} < e1; ++ix_{ir.over}) "
-                      f"rf::store(&o_{o.name}[{off}], tcache[ix_{ir.over}] * r);")
+                      f"rf::store(&o_{o.name}[{_out_offset(o, unit)}], tcache[ix_{ir.over}] * r);")
         self.end()
         self.end("} else {")
         self.ind += 1
@@ -1292,9 +1291,7 @@ class _Kernel:
             self.emit("(void)c0;")
             for let in self.sorted_element_lets():
                 self.emit_let(let)
-        last = len(o.index) - 1
-        off = " + ".join(f"ix_{n}" if unit and d == last else f"ix_{n} * ost_{o.name}[{d}]"
-                         for d, n in enumerate(o.index))
+        off = _out_offset(o, unit)
         ty = self.types[f"out:{o.name}"]
         if ty == "int32_t":
             self.emit(f"o_{o.name}[{off}] = static_cast<int32_t>({self.pr(value)});")
@@ -1302,6 +1299,12 @@ class _Kernel:
             self.emit(f"rf::store(&o_{o.name}[{off}], {self.pr.flt(value)});")
         for _ in loops:
             self.end()
+
+
+def _out_offset(o: Any, unit: bool) -> str:
+    """The element offset of output `o` at its loop indices (its innermost stride 1 where `unit`)."""
+    last = len(o.index) - 1
+    return " + ".join(f"ix_{n}" if unit and d == last else f"ix_{n} * ost_{o.name}[{d}]" for d, n in enumerate(o.index))
 
 
 # --------------------------------------------------------------------------------------------- the file

@@ -295,8 +295,8 @@ MUTANTS: list[Mutant] = [
       "run's GEMM tile adds that chunk's values again (causal rows of a tile on the diagonal)",
       ATTN, ),
     M("cpu-math-transpose-mask", "ops_src/cpu_math.h",
-      "  const vi8s lo4{0, 1, 2, 3, 8, 9, 10, 11}, hi4{4, 5, 6, 7, 12, 13, 14, 15};\n",
-      "  const vi8s lo4{0, 1, 2, 3, 8, 9, 10, 11}, hi4{4, 5, 6, 7, 12, 13, 14, 14};\n",
+      "  const vi8 lo4{0, 1, 2, 3, 8, 9, 10, 11}, hi4{4, 5, 6, 7, 12, 13, 14, 15};\n",
+      "  const vi8 lo4{0, 1, 2, 3, 8, 9, 10, 11}, hi4{4, 5, 6, 7, 12, 13, 14, 14};\n",
       "the transposing pack of the score GEMM's operand takes a wrong lane in its last shuffle: one key channel of "
       "every 8 x 8 block is the wrong key's",
       ("tests/test_cpu_math_exhaustive.py", "-k", "x86"), ),
