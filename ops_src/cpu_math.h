@@ -505,6 +505,79 @@ inline int64_t sel_position(const float* keys, const int64_t* idx, const uint8_t
   return pos;
 }
 
+// int32 key of a float in the selection order (larger first): -0 as +0 (they compare equal), every NaN below
+// -inf at INT32_MIN + 1; INT32_MIN is left for "not offered"
+__attribute__((always_inline)) inline int32_t sel_okey(float v) {
+  const uint32_t b = float_bits(v), a = b & 0x7FFFFFFFu;
+  const int32_t k = fkey_bits(a == 0u ? 0u : b);
+  return a > 0x7F800000u ? std::numeric_limits<int32_t>::min() + 1 : k;
+}
+
+// The elements of a chunk of N (n of them used) that may enter a selection of k entries (keys/ok, sorted as
+// sel_position keeps them), written to out (their positions in the chunk), returning how many: among the
+// offered elements (offered[j] != 0) whose key is above the selection's last entry when it is full (the others
+// sel_position refuses: the chunk's elements come after every entry, so an equal key loses on its index), the k
+// best of the chunk in the selection order (larger key, NaN last, lower position on equal keys). Offering only these, in any order, leaves the selection as offering every
+// element in turn would: an element with k better ones in its chunk has k better ones in the row. The k best
+// are found by k vectorised max/first-position scans over int keys (sel_okey), which costs less than offering
+// every element to the scalar insertion when k is small beside the chunk.
+// (always inlined: a kernel's target clone then compiles it for its own instruction set)
+template <int N>
+__attribute__((always_inline)) inline int64_t sel_candidates(const float* key, const uint8_t* offered, int64_t n, const float* keys,
+                              const uint8_t* ok, int64_t k, int64_t* out) {
+  constexpr int32_t kNone = std::numeric_limits<int32_t>::min();
+  const int32_t floor = (k > 0 && ok[k - 1]) ? sel_okey(keys[k - 1]) : kNone;
+  int32_t w[N];
+  int32_t live = 0;
+  for (int j = 0; j < N; ++j) {
+    const int32_t v = j < n ? sel_okey(key[j]) : kNone;
+    const bool e = j < n && offered[j] != 0 && v > floor;
+    w[j] = e ? v : kNone;
+    live += e;
+  }
+  if (live <= k || 4 * k > N) {
+    int64_t c = 0;
+    for (int j = 0; j < n; ++j) {
+      out[c] = j;
+      c += w[j] != kNone;
+    }
+    return c;
+  }
+  for (int64_t r = 0; r < k; ++r) {
+    int32_t best = kNone;
+    for (int j = 0; j < N; ++j) best = w[j] > best ? w[j] : best;
+    int32_t at = N;
+    for (int j = 0; j < N; ++j) at = std::min(at, w[j] == best ? int32_t(j) : int32_t(N));
+    out[r] = at;
+    w[at] = kNone;
+  }
+  return k;
+}
+
+// Which of the L elements of a chunk from key/offered/set (n of them written; L readable) are worth offering to
+// a selection kept per set (k entries for each value of a free index): the offered ones whose set is out of range
+// (set -1: their insertion refuses them itself) or whose key is above their set's bar (the sel_okey of its last
+// entry when that is full, else INT32_MIN: kept by the insertions; elements come in index order, so an equal
+// key loses on its index). Their positions go to out (returned: how
+// many): a superset of those the insertion keeps, marked in one vectorisable loop.
+template <int L>
+__attribute__((always_inline)) inline int64_t sel_offers(const float* key, const uint8_t* offered,
+                                                         const int32_t* set, const int32_t* bar, int64_t n,
+                                                         int64_t* out) {
+  uint8_t e[L];
+  for (int u = 0; u < L; ++u) {
+    const int32_t s = set[u], in = (s >= 0) & (int64_t{u} < n);  // set[u] past n is not written
+    const int32_t b = bar[s & -in];
+    e[u] = static_cast<uint8_t>((int64_t{u} < n) & (offered[u] != 0) & (!in | (sel_okey(key[u]) > b)));
+  }
+  int64_t c = 0;
+  for (int u = 0; u < L; ++u) {
+    out[c] = u;
+    c += e[u];
+  }
+  return c;
+}
+
 template <class T>
 inline void sel_shift(T* a, int64_t pos, int64_t k) {
   for (int64_t r = k - 1; r > pos; --r) a[r] = a[r - 1];
@@ -525,10 +598,23 @@ inline float sel_sum(const float* v, const uint8_t* ok, int64_t k) {
   return s;
 }
 
-inline bool sel_has(const int64_t* idx, const uint8_t* ok, int64_t k, int64_t value) {
+// A selection's indices marked in a table of its index's extent n (once it is complete), and membership read
+// from it: what sel_has answers, in one load
+inline void sel_mark(uint8_t* mem, int64_t n, const int64_t* idx, const uint8_t* ok, int64_t k) {
+  std::memset(mem, 0, static_cast<size_t>(n));
   for (int64_t r = 0; r < k; ++r)
-    if (ok[r] && idx[r] == value) return true;
-  return false;
+    if (ok[r] && idx[r] >= 0 && idx[r] < n) mem[idx[r]] = 1;
+}
+inline bool sel_member(const uint8_t* mem, int64_t n, int64_t value) {
+  const bool in = static_cast<uint64_t>(value) < static_cast<uint64_t>(n);
+  return in & (mem[in ? value : 0] != 0);
+}
+
+// (every entry tested, no early exit: the membership of a row's elements is a coin toss to a branch predictor)
+inline bool sel_has(const int64_t* idx, const uint8_t* ok, int64_t k, int64_t value) {
+  bool has = false;
+  for (int64_t r = 0; r < k; ++r) has |= (ok[r] != 0) & (idx[r] == value);
+  return has;
 }
 
 // ------------------------------------------------------------------------------------------ dispatch

@@ -42,6 +42,22 @@ def test_selection_keys_computed_in_a_branch_free_loop():
     assert "pp[pos] = key;" in case0  # the score payload is the key itself: not recomputed
 
 
+def test_selections_insert_only_candidates():
+    """Every moe_route kernel offers its per-row top-k only the chunk's candidates (rf::sel_candidates), its
+    per-group selection only the elements above their group's bar (rf::sel_offers, the bar kept by each insertion),
+    and reads group membership from a table marked once per row (rf::sel_member), not by testing every entry."""
+    src = cpu_source(derive(load_spec(ROOT / "specs" / "moe_route.yaml")), "moe_route_cpu.h")
+    bodies = _row_loop_bodies(src)
+    assert len(bodies) == 8
+    for body in bodies:
+        assert re.search(r"rf::sel_candidates<64>\(elk_sel, elo_sel\d+, cn, st_sel_key \+ 0, st_sel_ok \+ 0, K_sel,", body)
+        assert re.search(r"rf::sel_offers<16>\(elk_gtop \+ j0, el_ok \+ j0, els_gtop\d+ \+ j0, bar_gtop,", body)
+        assert "bar_gtop[ix_g] = oo[K_gtop - 1] ? rf::sel_okey(kk[K_gtop - 1])" in body
+        assert "rf::sel_mark(mem_gsel, ex_g, st_gsel_idx, st_gsel_ok, K_gsel);" in body
+        assert re.search(r"elo_sel\d+\[jj\] = el_ok\[jj\] & \(rf::sel_member\(mem_gsel, ex_g, el_group\[jj\]\)\);", body)
+        assert "sel_has" not in body
+
+
 def _masked_spec_source() -> str:
     """causal_attention with two integer element lets: jb (a division) enters the score, jm (a modulo) the mask."""
     text = (ROOT / "tests" / "specs" / "causal_attention.yaml").read_text()

@@ -54,3 +54,12 @@ def test_tile_gemms_at_every_x86_level(tmp_path):
     out = _build_and_run(tmp_path, "cpu_gemm_levels.cpp", ["-w"], 300)
     assert "gemm_tile_nt_base mismatches: 0" in out, out
     assert "pack_transposed_base bf16 mismatches: 0" in out, out
+
+
+def test_selection_shortcuts_at_every_x86_level(tmp_path):
+    """tests/cpu_selection.cpp: the chunk candidates (sel_candidates), the per-set offers with their bars
+    (sel_offers) and the membership tables (sel_mark/sel_member) leave every selection exactly as offering each
+    element in turn does, on keys with ties, NaN, infinities and signed zeros, at each x86-64 level."""
+    out = _build_and_run(tmp_path, "cpu_selection.cpp", ["-w"], 300)
+    assert "base selection mismatches: 0" in out, out
+    assert "mismatches: 0" in out and not re.search(r"mismatches: [1-9]", out), out

@@ -207,6 +207,7 @@ class _Kernel:
         self.native = native  # read in their own dtype (see native_inputs)
         self.tabled = self.row_invariant_lets()
         self.key_arrays = {f.name for f in a.reductions if f.stage == "stream" and self.precomputed_key(f)}
+        self.members = self.member_tables()
         self.plan = block_plan(self)
         # rows of plain element math (no block plan, selection, carried index or contraction) stream in longer
         # chunks: the per-chunk work (the states' corrections, folding the vector lanes) is then a small part
@@ -278,6 +279,9 @@ class _Kernel:
             return f"rf::sel_sum({self.sel_array(sel, fld)} + {off}, st_{sel}_ok + {off}, K_{sel})"
         if isinstance(e, isin):
             sel, _ = str(e.args[1].label).split(".", 1)
+            if sel in self.members:
+                over = self.ir.reduction(sel).over
+                return f"rf::sel_member(mem_{sel}, ex_{over}, {self.pr(e.args[0])})"
             f = self.sels[sel]
             off = self.free_offset(f)
             return f"rf::sel_has(st_{sel}_idx + {off}, st_{sel}_ok + {off}, K_{sel}, {self.pr(e.args[0])})"
@@ -378,6 +382,12 @@ class _Kernel:
                 for p in f.payloads:
                     self.emit(f"std::vector<float> buf_{f.name}_pl_{p.name}({total});")
                     self.emit(f"float* st_{f.name}_pl_{p.name} = buf_{f.name}_pl_{p.name}.data();")
+                if f.name in self.members:
+                    self.emit(f"std::vector<uint8_t> buf_mem_{f.name}(std::max<int64_t>(1, ex_{self.ir.reduction(f.name).over}));")
+                    self.emit(f"uint8_t* mem_{f.name} = buf_mem_{f.name}.data();")
+                if self.pinned_value(f) is not None:  # each set's bar (rf::sel_offers), kept by the insertions
+                    self.emit(f"std::vector<int32_t> buf_{f.name}_bar({size});")
+                    self.emit(f"int32_t* bar_{f.name} = buf_{f.name}_bar.data();")
             elif self.plan is not None:  # one state per row of a block, bound per row (cpu_tiles.bind_row)
                 self.emit(f"std::vector<float> buf_{f.name}(({size}) * {RBLK});")
                 self.emit(f"float* bst_{f.name} = buf_{f.name}.data();")
@@ -484,14 +494,35 @@ class _Kernel:
             self.emit(f"for (int64_t ix_{ir.over} = 0; ix_{ir.over} < ex_{ir.over}; ++ix_{ir.over}) "
                       f"tab_{let.name}[ix_{ir.over}] = {self.pr.val(let.expr, let.symbol)};")
 
+    def member_tables(self) -> set[str]:
+        """Selections over a resident index (no free index) that an isin reads: once complete, each row marks its
+        selected indices in a table of the index's extent, and isin reads one byte instead of testing every entry."""
+        exprs = [x for f in self.a.reductions for x in (f.term, f.where, *(p.term for p in f.payloads))]
+        exprs += [let.expr for let in self.ir.lets]
+        used = {str(m.args[1].label).split(".", 1)[0] for x in exprs if isinstance(x, sp.Basic) for m in x.atoms(isin)}
+        return {f.name for f in self.a.reductions
+                if f.name in used and f.selection and f.stage == "epilogue" and not f.free}
+
     def precomputed_key(self, f: ReductionForm) -> bool:
         """A selection whose key does not depend on its free indices or on integer values gets its chunk's keys
         in a branch-free (vectorisable) loop before the insertions; the insertion then reads them. A masked
         element's key is computed from its mask value and never inserted."""
-        if not f.selection or f.term is None or isinstance(f.term, sp.Symbol):  # a symbol: already an element value
+        if not f.selection or f.term is None:
             return False
+        if isinstance(f.term, sp.Symbol):  # already an element value: copied only for sel_candidates/sel_offers
+            return not f.free or (len(f.free) == 1 and isinstance(f.where, sp.Eq))
         free_syms = {self.ir.indices[n] for n in f.free}
-        return not f.term.free_symbols & free_syms and self.branch_free(f.term)
+        if f.term.free_symbols & free_syms:
+            return False
+        if self.branch_free(f.term):
+            return True
+        # reads indexed by the row and streamed indices only (a bias[e]), where there is no mask: in bounds for
+        # every element of a chunk
+        ix = {self.ir.indices[n] for n in (*self.ir.rows, self.ir.over)}
+        ints = {x for x in f.term.free_symbols if getattr(x, "is_integer", False)}
+        return (self.ir.mask in (sp.true, True) and ints <= ix and not f.term.atoms(idiv, sp.Mod)
+                and all(set().union(*(sp.sympify(i).free_symbols for i in r.indices)) <= ix
+                        for r in f.term.atoms(sp.Indexed)))
 
     def hoist_buffers(self) -> None:
         """Row-invariant factors of contractions (the q row of q . k) are converted once per row."""
@@ -583,6 +614,9 @@ class _Kernel:
         for f in a.reductions:
             if f.stage == "epilogue" and f.pass_no == number:
                 self.epilogue(f)
+                if f.name in self.members:
+                    self.emit(f"rf::sel_mark(mem_{f.name}, ex_{self.ir.reduction(f.name).over}, st_{f.name}_idx, "
+                              f"st_{f.name}_ok, K_{f.name});")
 
     def chunk_levels(self, forms: list[ReductionForm]) -> None:
         """The states of a pass updated with one chunk, level by level (old/new values and their guards)."""
@@ -617,6 +651,8 @@ class _Kernel:
         if f.selection:
             size = " * ".join([f"ex_{n}" for n in f.free] or ["int64_t(1)"])
             self.emit(f"rf::sel_clear(st_{f.name}_key, st_{f.name}_idx, st_{f.name}_ok, ({size}) * K_{f.name});")
+            if self.pinned_value(f) is not None:
+                self.emit(f"std::fill(bar_{f.name}, bar_{f.name} + {size}, std::numeric_limits<int32_t>::min());")
             return
         neutral = float_literal(float(f.neutral))
         if f.free:
@@ -1026,6 +1062,10 @@ class _Kernel:
         loop reads that state."""
         ir = self.ir
         saved = dict(self.local)
+        whole = (start, stop) == ("0", "cn")
+        cands = [f for f in forms if self.candidate_selection(f)] if whole else []
+        pinned = [f for f in forms if self.pinned_value(f) is not None] if whole else []
+        forms = [f for f in forms if f not in cands and f not in pinned]
         chunk = {}
         for f in forms:
             if f.op != "sum" or f.free or f.selection:
@@ -1038,22 +1078,98 @@ class _Kernel:
         for v in chunk.values():
             self.emit(f"float {v} = 0.0f;")
         self.chunk_acc = chunk
-        self.block(f"for (int64_t jj = {start}; jj < {stop}; ++jj)")
-        self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
-        self.emit(f"(void)ix_{ir.over};")
-        for f in forms:
-            self.block("do")
-            self.emit("if (!el_cnt[jj]) break;" if not f.selection else "if (!el_ok[jj]) break;")
-            if f.selection:
-                self.insert(f)
-            else:
-                self.fold_term(f)
-            self.end("} while (false);")
-        self.end()
+        if forms:
+            self.block(f"for (int64_t jj = {start}; jj < {stop}; ++jj)")
+            self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
+            self.emit(f"(void)ix_{ir.over};")
+            for f in forms:
+                self.block("do")
+                self.emit("if (!el_cnt[jj]) break;" if not f.selection else "if (!el_ok[jj]) break;")
+                if f.selection:
+                    self.insert(f)
+                else:
+                    self.fold_term(f)
+                self.end("} while (false);")
+            self.end()
         self.chunk_acc = {}
         for name, v in chunk.items():
             self.emit(f"st_{name} = st_{name} + {v};")
+        for f in cands:
+            self.candidate_insertions(f)
+        for f in pinned:
+            self.pinned_insertions(f)
         self.local = saved
+
+    def pinned_value(self, f: ReductionForm) -> sp.Expr | None:
+        """For a selection kept per value of one free index g whose where pins each element to one g (where =
+        (value == g)) and whose chunk keys are in an array: the value. Its insertions go through rf::sel_offers."""
+        if not (f.selection and f.stage == "stream" and len(f.free) == 1 and f.name in self.key_arrays):
+            return None
+        g, where = f.free[0], f.where
+        if not isinstance(where, sp.Eq):
+            return None
+        for side, other in ((where.lhs, where.rhs), (where.rhs, where.lhs)):
+            if isinstance(side, sp.Symbol) and side.name == g and other.is_integer:
+                return other
+        return None
+
+    def pinned_insertions(self, f: ReductionForm) -> None:
+        """The insertions of a selection kept per set (pinned_value): each element's set (-1 out of range) in one
+        loop, then per 16 elements only those rf::sel_offers finds at or above their set's bar."""
+        ir, g = self.ir, f.free[0]
+        sets = self.fresh(f"els_{f.name}")
+        self.emit(f"int32_t {sets}[{self.chunk}];")
+        self.block("for (int64_t jj = 0; jj < cn; ++jj)")
+        self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
+        self.emit(f"(void)ix_{ir.over};")
+        self.emit(f"const int64_t v = el_ok[jj] ? int64_t({self.pr(self.pinned_value(f))}) : int64_t(-1);")
+        self.emit(f"{sets}[jj] = (v >= 0 && v < ex_{g}) ? static_cast<int32_t>(v) : -1;")
+        self.end()
+        self.block("for (int64_t j0 = 0; j0 < cn; j0 += 16)")
+        offs, no = self.fresh("ofs"), self.fresh("no")
+        self.emit(f"int64_t {offs}[16];")
+        self.emit(f"const int64_t {no} = rf::sel_offers<16>(elk_{f.name} + j0, el_ok + j0, {sets} + j0, bar_{f.name}, "
+                  f"cn - j0, {offs});")
+        self.block(f"for (int64_t oi = 0; oi < {no}; ++oi)")
+        self.emit(f"const int64_t jj = j0 + {offs}[oi];")
+        self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
+        self.block("do")
+        self.insert(f)
+        self.end("} while (false);")
+        self.end()
+        self.end()
+
+    def candidate_selection(self, f: ReductionForm) -> bool:
+        """A selection with one set of entries per row (no free index) and its chunk's keys in an array: only the
+        chunk's candidates (rf::sel_candidates: its k best offered elements not below the last entry) are inserted."""
+        return f.selection and not f.free and f.name in self.key_arrays
+
+    def candidate_insertions(self, f: ReductionForm) -> None:
+        """The insertions of a candidate selection: the offered elements (mask and where) marked in a loop, the
+        chunk's candidates found among them, and only those inserted (the where is not tested again)."""
+        ir = self.ir
+        off = self.free_offset(f)
+        offered = "el_ok"
+        if f.where not in (sp.true, True):
+            offered = self.fresh(f"elo_{f.name}")
+            self.emit(f"uint8_t {offered}[{self.chunk}];")
+            self.block("for (int64_t jj = 0; jj < cn; ++jj)")
+            self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
+            self.emit(f"(void)ix_{ir.over};")
+            both = "&&" if f.where.atoms(sp.Indexed) else "&"  # a read only where the mask holds
+            self.emit(f"{offered}[jj] = el_ok[jj] {both} ({self.pr(f.where)});")
+            self.end()
+        cand, nc = self.fresh(f"cnd_{f.name}"), self.fresh("nc")
+        self.emit(f"int64_t {cand}[{self.chunk}];")
+        self.emit(f"const int64_t {nc} = rf::sel_candidates<{self.chunk}>(elk_{f.name}, {offered}, cn, "
+                  f"st_{f.name}_key + {off}, st_{f.name}_ok + {off}, K_{f.name}, {cand});")
+        self.block(f"for (int64_t ci = 0; ci < {nc}; ++ci)")
+        self.emit(f"const int64_t jj = {cand}[ci];")
+        self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
+        self.block("do")
+        self.insert(f, offered=True)
+        self.end("} while (false);")
+        self.end()
 
     def cse(self, exprs: list[sp.Expr]) -> list[sp.Expr]:
         repl, reduced = sp.cse(exprs, symbols=sp.numbered_symbols("cse"), optimizations=None)
@@ -1104,9 +1220,9 @@ class _Kernel:
         for _ in range(n):
             self.end()
 
-    def insert(self, f: ReductionForm) -> None:
-        """Offer this element to a selection (per free index where it applies)."""
-        where = f.where
+    def insert(self, f: ReductionForm, offered: bool = False) -> None:
+        """Offer this element to a selection (per free index where it applies); offered: its where holds."""
+        where = sp.true if offered else f.where
         n_loops = 0
         pinned = None
         # where = (value == g) for a free index g: the element belongs to exactly one g
@@ -1138,6 +1254,9 @@ class _Kernel:
             arr = f"st_{f.name}_pl_{p.name} + {off}"
             value = "key" if p.term == f.term else self.pr.flt(p.term)
             self.emit(f"{{ float* pp = {arr}; rf::sel_shift(pp, pos, K_{f.name}); pp[pos] = {value}; }}")
+        if pinned and self.pinned_value(f) is not None:  # the set's bar follows its last entry
+            self.emit(f"bar_{f.name}[ix_{pinned[0]}] = oo[K_{f.name} - 1] ? rf::sel_okey(kk[K_{f.name} - 1]) : "
+                      "std::numeric_limits<int32_t>::min();")
         self.end()
         for _ in range(n_loops):
             self.end()

@@ -321,4 +321,28 @@ MUTANTS: list[Mutant] = [
       "a wrong lane in the AVX2 level's four-way lane reduction: only a CPU of that level runs it in the ops, so the "
       "ops' tests on an AVX-512 machine pass; the per-level tile GEMM test catches it on any machine with AVX2",
       ("tests/test_cpu_math_exhaustive.py", "-k", "x86"), ),
+    M("cpu-sel-candidates-ties-to-last", "ops_src/cpu_math.h",
+      "    for (int j = 0; j < N; ++j) at = std::min(at, w[j] == best ? int32_t(j) : int32_t(N));\n",
+      "    for (int j = 0; j < N; ++j) at = w[j] == best ? int32_t(j) : at;\n",
+      "a chunk's candidates for a top-k take, among equal keys, the last element instead of the first: with more "
+      "equal keys than places left, the selection keeps a higher expert id than the lower-id rule",
+      ("tests/test_cpu_math_exhaustive.py", "-k", "selection"), ),
+    M("cpu-sel-okey-signed-zero", "ops_src/cpu_math.h",
+      "  const int32_t k = fkey_bits(a == 0u ? 0u : b);\n",
+      "  const int32_t k = fkey_bits(b);\n",
+      "the candidates' int keys order -0.0 below +0.0 (they compare equal as floats): a -0.0 key of a lower index "
+      "loses its place to a +0.0 one",
+      ("tests/test_cpu_math_exhaustive.py", "-k", "selection"), ),
+    M("tiles-sel-offers-bar-from-first-entry", "generator/codegen/cpu.py",
+      '"bar_{f.name}[ix_{pinned[0]}] = oo[K_{f.name} - 1] ? rf::sel_okey(kk[K_{f.name} - 1]) : "',
+      '"bar_{f.name}[ix_{pinned[0]}] = oo[K_{f.name} - 1] ? rf::sel_okey(kk[0]) : "',
+      "a per-group selection's bar follows its best entry instead of its last: elements that would displace the "
+      "second of a group's two best keys (DeepSeek-V3's group score) are never offered",
+      ("tests/test_moe_route.py", *NOSLOW), ),
+    M("cpu-sel-mark-positions", "ops_src/cpu_math.h",
+      "    if (ok[r] && idx[r] >= 0 && idx[r] < n) mem[idx[r]] = 1;\n",
+      "    if (ok[r] && idx[r] >= 0 && idx[r] < n) mem[r] = 1;\n",
+      "the membership table of the kept groups marks entry positions instead of group ids: grouped routing picks "
+      "experts of the first groups whatever their scores",
+      ("tests/test_moe_route.py", *NOSLOW), ),
 ]
