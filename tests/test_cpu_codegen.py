@@ -122,3 +122,12 @@ def test_masked_spec_keeps_per_element_order():
     row = _block_loop_bodies(_masked_spec_source())[0]
     use = re.search(r"el_s\[jj\] = .*dots\d+\[jj\]", row)
     assert use and row.index("const bool ok = ") < row.index("rf::gemm_tile(") < use.start()
+
+
+def test_long_rows_take_fewer_rows_per_task():
+    """A row kernel's grain (rows per task of the thread pool) shrinks with the row: 64 rows of a 32k vocabulary are
+    split across threads, 64 rows of 64 experts are not (torch's thread pool splits a range into tasks of at
+    least the grain)."""
+    src = cpu_source(derive(load_spec(ROOT / "specs" / "logsumexp.yaml")), "logsumexp_cpu.h")
+    assert re.search(r"const int64_t grain = std::max<int64_t>\(1, std::min<int64_t>\(64, 65536 / "
+                     r"std::max<int64_t>\(1, static_cast<int64_t>\(A\.sz_\w+\)\)\)\);", src)

@@ -9,6 +9,7 @@ final states. Every formula is printed from the engine's sympy forms; nothing he
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ CHUNK = 64
 ROW_CHUNK = 512  # the chunk of plain row kernels (see CpuKernel.chunk)
 LANES = 16  # partial results of a branch-free reduction over a chunk (one vector of floats on AVX-512)
 UNROLL = 4  # elements of a chunk that share one pass over a contraction axis or a free axis
+ROW_TASK_ELEMENTS = 1 << 16  # elements of the streamed axis per task of a row kernel (its grain in rows follows)
 TCACHE_MAX = 1 << 18  # longest row whose summed terms are kept for its per-element outputs (1 MiB of floats)
 
 
@@ -1525,7 +1527,12 @@ def cpu_source(op: OpAnalysis, header_name: str) -> str:
                     f"using {p.name} = typename decltype(tag_{p.name})::type; {body} }});")
         grain = _grain(a)
         out.append(f"  if ({_case_condition(spec, a)}) {{")
-        out.append(f"    const int64_t grain = {grain};")
+        if kernels[n].plan is None and grain > 1:  # long rows: fewer rows per task, so few rows still use every thread
+            over = re.sub(r"\b(sz|p)_(\w+)", r"A.\1_\2", kernels[n].pr(a.ir.extents[a.ir.over]))
+            out.append(f"    const int64_t grain = std::max<int64_t>(1, std::min<int64_t>({grain}, "
+                       f"{ROW_TASK_ELEMENTS} / std::max<int64_t>(1, static_cast<int64_t>({over}))));")
+        else:
+            out.append(f"    const int64_t grain = {grain};")
         out.append(f"    {body}")
         out.append("    return;")
         out.append("  }")
