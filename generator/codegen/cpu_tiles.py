@@ -32,6 +32,7 @@ import sympy as sp
 from ..spec import DTYPE_BYTES
 
 RBLK = 128  # most rows of one block (the M side of the GEMM tiles)
+SHARE_ROWS = 32  # blocks smaller than this are not split in two per thread (block_dispatch)
 NT_RUN = 32  # runs of at most this many rows take a contraction's rows unpacked, in the NT tile
 NTILE = 256  # columns of a free index per packed tile of a GEMM fold
 WCHUNK = 256  # the chunk of block kernels with an NT fold (block_chunk)
@@ -680,8 +681,12 @@ def _pack_fold_nt(k, g: GemmFold) -> None:
 
 
 def block_dispatch(call: str) -> str:
-    """run_cpu's body for a block kernel: blocks of up to RBLK rows, at least two blocks per thread."""
+    """run_cpu's body for a block kernel: blocks of up to RBLK rows, two blocks per thread (the second evens out
+    uneven blocks: causal rows), but one per thread where two would be under SHARE_ROWS rows: every block packs
+    (or decodes) the streamed operand once, so halving small blocks doubles that work (fp8_quant_gemm at M = 16)."""
     return ("(void)grain; const int64_t nthr = std::max<int64_t>(1, static_cast<int64_t>(torch::stable::get_num_threads())); "
-            f"const int64_t rb_n = std::max<int64_t>(1, std::min<int64_t>({RBLK}, (A.rows + 2 * nthr - 1) / (2 * nthr))); "
+            "const int64_t half = (A.rows + 2 * nthr - 1) / (2 * nthr); "
+            f"const int64_t rb_n = std::max<int64_t>(1, std::min<int64_t>({RBLK}, half >= {SHARE_ROWS} ? half : "
+            "(A.rows + nthr - 1) / nthr)); "
             "const int64_t nblk = (A.rows + rb_n - 1) / rb_n; "
             f"redfuser::parallel_rows(nblk, 1, [&](int64_t b, int64_t e) {{ {call}(A, b, e, rb_n); }});")
