@@ -683,7 +683,7 @@ def _pack_fold_nt(k, g: GemmFold) -> None:
 def block_dispatch(call: str) -> str:
     """run_cpu's body for a block kernel: blocks of up to RBLK rows, two blocks per thread (the second evens out
     uneven blocks: causal rows), but one per thread where two would be under SHARE_ROWS rows: every block packs
-    (or decodes) the streamed operand once, so halving small blocks doubles that work (fp8_quant_gemm at M = 16)."""
+    (or decodes) the streamed operand once, so halving small blocks doubles that work (a quantised GEMM at 16 rows)."""
     return ("(void)grain; const int64_t nthr = std::max<int64_t>(1, static_cast<int64_t>(torch::stable::get_num_threads())); "
             "const int64_t half = (A.rows + 2 * nthr - 1) / (2 * nthr); "
             f"const int64_t rb_n = std::max<int64_t>(1, std::min<int64_t>({RBLK}, half >= {SHARE_ROWS} ? half : "
