@@ -1117,7 +1117,7 @@ class _Kernel:
 
     def pinned_insertions(self, f: ReductionForm) -> None:
         """The insertions of a selection kept per set (pinned_value): each element's set (-1 out of range) in one
-        loop, then per 16 elements only those rf::sel_offers finds at or above their set's bar."""
+        loop, then per 16 elements only those rf::sel_offers finds above their set's bar."""
         ir, g = self.ir, f.free[0]
         sets = self.fresh(f"els_{f.name}")
         self.emit(f"int32_t {sets}[{self.chunk}];")
@@ -1143,7 +1143,7 @@ class _Kernel:
 
     def candidate_selection(self, f: ReductionForm) -> bool:
         """A selection with one set of entries per row (no free index) and its chunk's keys in an array: only the
-        chunk's candidates (rf::sel_candidates: its k best offered elements not below the last entry) are inserted."""
+        chunk's candidates (rf::sel_candidates: its k best offered elements above the last entry) are inserted."""
         return f.selection and not f.free and f.name in self.key_arrays
 
     def candidate_insertions(self, f: ReductionForm) -> None:
