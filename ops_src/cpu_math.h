@@ -517,14 +517,15 @@ __attribute__((always_inline)) inline int32_t sel_okey(float v) {
 // sel_position keeps them), written to out (their positions in the chunk), returning how many: among the
 // offered elements (offered[j] != 0) whose key is above the selection's last entry when it is full (the others
 // sel_position refuses: the chunk's elements come after every entry, so an equal key loses on its index), the k
-// best of the chunk in the selection order (larger key, NaN last, lower position on equal keys). Offering only these, in any order, leaves the selection as offering every
-// element in turn would: an element with k better ones in its chunk has k better ones in the row. The k best
-// are found by k vectorised max/first-position scans over int keys (sel_okey), which costs less than offering
-// every element to the scalar insertion when k is small beside the chunk.
-// (always inlined: a kernel's target clone then compiles it for its own instruction set)
+// best of the chunk in the selection order (larger key, NaN last, lower position on equal keys). Offering only
+// these, in any order, leaves the selection as offering every element in turn would: an element with k better
+// ones in its chunk has k better ones in the row. The k best are found by k vectorised max/first-position scans
+// over int keys (sel_okey), which costs less than offering every element to the scalar insertion when k is small
+// beside the chunk. (Always inlined: a kernel's target clone then compiles it for its own instruction set.)
 template <int N>
-__attribute__((always_inline)) inline int64_t sel_candidates(const float* key, const uint8_t* offered, int64_t n, const float* keys,
-                              const uint8_t* ok, int64_t k, int64_t* out) {
+__attribute__((always_inline)) inline int64_t sel_candidates(const float* key, const uint8_t* offered, int64_t n,
+                                                             const float* keys, const uint8_t* ok, int64_t k,
+                                                             int64_t* out) {
   constexpr int32_t kNone = std::numeric_limits<int32_t>::min();
   const int32_t floor = (k > 0 && ok[k - 1]) ? sel_okey(keys[k - 1]) : kNone;
   int32_t w[N];
@@ -557,18 +558,19 @@ __attribute__((always_inline)) inline int64_t sel_candidates(const float* key, c
 // Which of the L elements of a chunk from key/offered/set (n of them written; L readable) are worth offering to
 // a selection kept per set (k entries for each value of a free index): the offered ones whose set is out of range
 // (set -1: their insertion refuses them itself) or whose key is above their set's bar (the sel_okey of its last
-// entry when that is full, else INT32_MIN: kept by the insertions; elements come in index order, so an equal
-// key loses on its index). Their positions go to out (returned: how
-// many): a superset of those the insertion keeps, marked in one vectorisable loop.
+// entry when that is full, else INT32_MIN: kept by the insertions; elements come in index order, so an equal key
+// loses on its index). Their positions go to out (returned: how many): a superset of those the insertion keeps,
+// marked in one vectorisable loop.
 template <int L>
 __attribute__((always_inline)) inline int64_t sel_offers(const float* key, const uint8_t* offered,
                                                          const int32_t* set, const int32_t* bar, int64_t n,
                                                          int64_t* out) {
   uint8_t e[L];
   for (int u = 0; u < L; ++u) {
-    const int32_t s = set[u], in = (s >= 0) & (int64_t{u} < n);  // set[u] past n is not written
+    const int32_t used = int64_t{u} < n;  // set[u] past n is not written
+    const int32_t s = set[u], in = (s >= 0) & used;
     const int32_t b = bar[s & -in];
-    e[u] = static_cast<uint8_t>((int64_t{u} < n) & (offered[u] != 0) & (!in | (sel_okey(key[u]) > b)));
+    e[u] = static_cast<uint8_t>(used & (offered[u] != 0) & (!in | (sel_okey(key[u]) > b)));
   }
   int64_t c = 0;
   for (int u = 0; u < L; ++u) {

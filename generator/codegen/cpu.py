@@ -92,6 +92,18 @@ class TypeParam:
 FLOATS = ("float32", "float16", "bfloat16")
 
 
+def _pin(f: ReductionForm) -> tuple[str, sp.Expr] | None:
+    """(g, value) where a reduction's where is (value == g) for its one free index g: each element belongs to exactly
+    one g (a per-group selection's where=group == g)."""
+    where = f.where
+    if len(f.free) != 1 or not isinstance(where, sp.Eq):
+        return None
+    for side, other in ((where.lhs, where.rhs), (where.rhs, where.lhs)):
+        if isinstance(side, sp.Symbol) and side.name == f.free[0]:
+            return side.name, other
+    return None
+
+
 def float_inputs(spec: OpSpec) -> list[str]:
     """Floating-point tensor arguments: the glue hands them to the CPU kernels as float32 (a half-precision input
     converted once), except the native ones (native_inputs), which keep their dtype and get a unit last stride."""
@@ -512,7 +524,7 @@ class _Kernel:
         if not f.selection or f.term is None:
             return False
         if isinstance(f.term, sp.Symbol):  # already an element value: copied only for sel_candidates/sel_offers
-            return not f.free or (len(f.free) == 1 and isinstance(f.where, sp.Eq))
+            return not f.free or _pin(f) is not None
         free_syms = {self.ir.indices[n] for n in f.free}
         if f.term.free_symbols & free_syms:
             return False
@@ -1105,15 +1117,10 @@ class _Kernel:
     def pinned_value(self, f: ReductionForm) -> sp.Expr | None:
         """For a selection kept per value of one free index g whose where pins each element to one g (where =
         (value == g)) and whose chunk keys are in an array: the value. Its insertions go through rf::sel_offers."""
-        if not (f.selection and f.stage == "stream" and len(f.free) == 1 and f.name in self.key_arrays):
+        pin = _pin(f)
+        if not (pin and f.selection and f.stage == "stream" and f.name in self.key_arrays and pin[1].is_integer):
             return None
-        g, where = f.free[0], f.where
-        if not isinstance(where, sp.Eq):
-            return None
-        for side, other in ((where.lhs, where.rhs), (where.rhs, where.lhs)):
-            if isinstance(side, sp.Symbol) and side.name == g and other.is_integer:
-                return other
-        return None
+        return pin[1]
 
     def pinned_insertions(self, f: ReductionForm) -> None:
         """The insertions of a selection kept per set (pinned_value): each element's set (-1 out of range) in one
@@ -1226,12 +1233,7 @@ class _Kernel:
         """Offer this element to a selection (per free index where it applies); offered: its where holds."""
         where = sp.true if offered else f.where
         n_loops = 0
-        pinned = None
-        # where = (value == g) for a free index g: the element belongs to exactly one g
-        if f.free and isinstance(where, sp.Eq):
-            for side, other in ((where.lhs, where.rhs), (where.rhs, where.lhs)):
-                if isinstance(side, sp.Symbol) and side.name in f.free and len(f.free) == 1:
-                    pinned = (side.name, other)
+        pinned = None if offered else _pin(f)
         if pinned:
             g, value = pinned
             self.emit(f"const int64_t ix_{g} = {self.pr(value)};")
