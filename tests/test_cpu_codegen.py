@@ -23,7 +23,8 @@ def _row_loop_bodies(src: str) -> list[str]:
 
 
 def _block_loop_bodies(src: str) -> list[str]:
-    return [part.split("for (int64_t blk = blk_begin;", 1)[1] for part in src.split("static void blocks_case")[1:]]
+    return [re.split(r"for \(int64_t (?:blk|task) = blk_begin;", part, maxsplit=1)[1]
+            for part in src.split("static void blocks_case")[1:]]
 
 
 def test_moe_route_group_of_expert_is_tabled_once_per_call():
@@ -131,3 +132,22 @@ def test_long_rows_take_fewer_rows_per_task():
     src = cpu_source(derive(load_spec(ROOT / "specs" / "logsumexp.yaml")), "logsumexp_cpu.h")
     assert re.search(r"const int64_t grain = std::max<int64_t>\(1, std::min<int64_t>\(64, 65536 / "
                      r"std::max<int64_t>\(1, static_cast<int64_t>\(A\.sz_\w+\)\)\)\);", src)
+
+
+def test_few_rows_share_fold_columns_across_tasks():
+    """Block kernels whose only carried states are GEMM folds over one free index split that index across tasks
+    where there are fewer blocks than threads (at least 256 columns per task): the fold's state is initialised,
+    corrected, packed and stored over the task's columns only, and an output without that index (lse) is stored
+    by the first task."""
+    src = cpu_source(derive(load_spec(ROOT / "specs" / "fp8_quant_gemm.yaml")), "fp8_quant_gemm_cpu.h")
+    assert "const int64_t ncol = nblk >= nthr ? 1 : std::max<int64_t>(1, std::min<int64_t>((nthr + nblk - 1) / " \
+           "nblk, (A.sz_N) / 256));" in src
+    for body in _block_loop_bodies(src):
+        assert "std::fill(st_acc + col_lo, st_acc + col_hi, 0.0f);" in body
+        assert "for (int64_t r = col_lo; r < col_hi; ++r) st_acc[r] = st_acc[r] * cr_acc;" in body
+        assert "for (int64_t n0 = col_lo; n0 < col_hi; n0 += " in body
+        assert "for (int64_t ix_n = col_lo; ix_n < col_hi; ++ix_n)" in body
+        assert "ex_n; ++" not in body
+    src = cpu_source(derive(load_spec(ROOT / "specs" / "fused_attention.yaml")), "fused_attention_cpu.h")
+    for body in _block_loop_bodies(src):
+        assert re.search(r"if \(cpart == 0\) \{\n\s*rf::store\(&o_lse\[", body)

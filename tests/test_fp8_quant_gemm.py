@@ -109,3 +109,28 @@ def test_bad_sizes_are_refused(device):
         torch.ops.redfuser.fp8_quant_gemm(x, w[:24], ws[:24])
     assert torch.ops.redfuser.fp8_quant_gemm(x[:0], w, ws).shape == (0, 32)
     assert torch.ops.redfuser.fp8_quant_gemm(x, w[:0], ws[:1]).shape == (4, 0)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_cpu_columns_shared_across_threads(threads):
+    """Fewer rows than threads (a token at decode): the CPU kernel shares a row's output columns out across tasks,
+    each task computing the row's scale itself (at least 256 columns per task, cut at multiples of 16). Every
+    thread count gives exactly the 1-thread result, NaN rows included, and that result passes the reference."""
+    gen = torch.Generator().manual_seed(15)
+    old = torch.get_num_threads()
+    try:
+        for M, N, K in [(1, 528, 256), (2, 1040, 512), (3, 4096, 1024), (1, 16, 32)]:
+            x, w, ws, b = inputs(M, N, K, torch.bfloat16, "cpu", gen, bias=True)
+            if M == 2:
+                x[1, 7] = float("nan")
+            torch.set_num_threads(1)
+            one = torch.ops.redfuser.fp8_quant_gemm(x, w, ws, b, torch.float32)
+            torch.set_num_threads(threads)
+            many = torch.ops.redfuser.fp8_quant_gemm(x, w, ws, b, torch.float32)
+            assert torch.equal(one.isnan(), many.isnan())
+            assert torch.equal(one.nan_to_num(), many.nan_to_num()), (M, N, K)
+            keep = [i for i in range(M) if not one[i].isnan().any()]
+            assert torch.isnan(one[[i for i in range(M) if i not in keep]]).all()
+            judge(one[keep], x[keep], w, ws, b)
+    finally:
+        torch.set_num_threads(old)

@@ -188,6 +188,28 @@ def test_cpu_row_blocks_across_threads(threads):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_cpu_wide_heads_share_columns_across_threads(threads):
+    """Fewer rows than threads with D >= 512: the CPU kernel shares the columns of o out across tasks (each
+    recomputing the row's scores and softmax state; lse written by the first). One row gives exactly the 1-thread
+    result; runs of several rows judged by the reference (1 thread packs them as one GEMM run, more threads as
+    runs of one row: a different summation order)."""
+    gen = torch.Generator().manual_seed(6)
+    old = torch.get_num_threads()
+    try:
+        q, k, v = strided_inputs(1, 1, 300, 1, 1, 512, torch.float32, "cpu", gen)
+        torch.set_num_threads(1)
+        one = torch.ops.redfuser.fused_attention(q, k, v, False, None)
+        torch.set_num_threads(threads)
+        many = judge(q, k, v, False)
+        assert torch.equal(one[0], many[0].float()) and torch.equal(one[1], many[1].float())
+        for Sq, H, Hk, D in [(2, 1, 1, 768), (1, 2, 1, 512), (1, 2, 2, 640)]:
+            q, k, v = strided_inputs(1, Sq, 200, H, Hk, D, torch.float32, "cpu", gen)
+            judge(q, k, v, Sq > 1)
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_cpu_one_row_runs_and_half_kv_in_place(dtype):
     """Runs of one row (MHA decode: every (b, h) has its own K/V) take the CPU kernels' unpacked path (dot products

@@ -63,3 +63,27 @@ def test_mla_decode(device, dtype, causal, Hq, Sq, lens):
     for b, n in enumerate(lens):
         if n == 0:
             assert torch.all(out[b] == 0) and torch.all(lse[b] == float("-inf"))
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_cpu_latent_columns_shared_across_threads(threads):
+    """One query row (B1 Hq1 Sq1) on several threads: the CPU kernel shares the 512 latent columns of the weighted
+    sum out across tasks, each recomputing the scores; lse is written by the first task only. The result is the
+    1-thread result exactly (empty rows included) and passes the reference."""
+    gen = torch.Generator().manual_seed(16)
+    old = torch.get_num_threads()
+    try:
+        for lens, causal in [([1000], False), ([0], False), ([130, 0], True)]:
+            q, kv, table, seqlens = _paged(lens, 1, 1, torch.bfloat16, gen, "cpu")
+            torch.set_num_threads(1)
+            one = torch.ops.redfuser.mla_decode(q, kv, table, seqlens, 512, None, causal)
+            torch.set_num_threads(threads)
+            many = torch.ops.redfuser.mla_decode(q, kv, table, seqlens, 512, None, causal)
+            assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1]), lens
+            if max(lens):
+                _judge(q, kv, table, seqlens, causal, *many)
+            for b, n in enumerate(lens):
+                if n == 0:
+                    assert torch.all(many[0][b] == 0) and torch.all(many[1][b] == float("-inf"))
+    finally:
+        torch.set_num_threads(old)

@@ -36,6 +36,7 @@ from .cpu_tiles import (
     block_storage,
     emit_blocked,
     emit_fold_weights,
+    split_axis,
 )
 
 CHUNK = 64
@@ -223,6 +224,7 @@ class _Kernel:
         self.key_arrays = {f.name for f in a.reductions if f.stage == "stream" and self.precomputed_key(f)}
         self.members = self.member_tables()
         self.plan = block_plan(self)
+        self.cols = split_axis(self) if self.plan is not None else None  # columns split across tasks (cpu_tiles)
         # rows of plain element math (no block plan, selection, carried index or contraction) stream in longer
         # chunks: the per-chunk work (the states' corrections, folding the vector lanes) is then a small part
         plain = self.plan is None and not any(f.selection or f.free for f in a.reductions) and \
@@ -323,6 +325,10 @@ class _Kernel:
         for n in f.free[1:]:
             out = f"({out}) * ex_{n} + ix_{n}"
         return f"({out}) * K_{f.name}" if f.selection else out
+
+    def bounds(self, n: str) -> tuple[str, str]:
+        """The range of free index n this kernel covers: all of it, or a task's columns (cpu_tiles.split_axis)."""
+        return ("col_lo", "col_hi") if n == self.cols else ("0", f"ex_{n}")
 
     def state_ref(self, name: str) -> str:
         f = self.a.form(name)
@@ -669,7 +675,10 @@ class _Kernel:
                 self.emit(f"std::fill(bar_{f.name}, bar_{f.name} + {size}, std::numeric_limits<int32_t>::min());")
             return
         neutral = float_literal(float(f.neutral))
-        if f.free:
+        if f.free and f.free == (self.cols,):
+            lo, hi = self.bounds(self.cols)
+            self.emit(f"std::fill(st_{f.name} + {lo}, st_{f.name} + {hi}, {neutral});")
+        elif f.free:
             size = " * ".join(f"ex_{n}" for n in f.free)
             self.emit(f"std::fill(st_{f.name}, st_{f.name} + {size}, {neutral});")
         elif self.plan is not None:  # a reference into the block's state array
@@ -912,8 +921,8 @@ class _Kernel:
                 size = " * ".join([f"ex_{n}" for n in f.free] or ["int64_t(1)"]) + f" * K_{f.name}"
                 self.emit(f"for (int64_t r = 0; r < {size}; ++r) if (st_{f.name}_ok[r]) {arr}[r] = {arr}[r] {op} {cname};")
             elif f.free:
-                size = " * ".join(f"ex_{n}" for n in f.free)
-                self.emit(f"for (int64_t r = 0; r < {size}; ++r) st_{f.name}[r] = st_{f.name}[r] {op} {cname};")
+                lo, hi = self.bounds(self.cols) if f.free == (self.cols,) else ("0", " * ".join(f"ex_{n}" for n in f.free))
+                self.emit(f"for (int64_t r = {lo}; r < {hi}; ++r) st_{f.name}[r] = st_{f.name}[r] {op} {cname};")
             else:
                 self.emit(f"st_{f.name} = st_{f.name} {op} {cname};")
 
@@ -1354,6 +1363,9 @@ class _Kernel:
             loops = [n for n in o.index if n not in ir.rows]
             self.emit(f"// output {o.name}")
             value = self.stored_value(o)
+            whole = self.cols is not None and self.cols not in loops
+            if whole:  # not split by columns: written by the block's first task (cpu_tiles.split_axis)
+                self.block("if (cpart == 0)")
             cached = self.tcache is not None and o.name in self.tcache.ratios
             if cached:
                 self.cached_output(o)
@@ -1374,6 +1386,8 @@ class _Kernel:
                 self.output_loops(o, loops, value, False)
                 self.end()
             if cached:
+                self.end()
+            if whole:
                 self.end()
             del spec_out
 
@@ -1407,7 +1421,8 @@ class _Kernel:
     def output_loops(self, o: Any, loops: list[str], value: sp.Basic, unit: bool) -> None:
         ir = self.ir
         for n in loops:
-            self.block(f"for (int64_t ix_{n} = 0; ix_{n} < ex_{n}; ++ix_{n})")
+            lo, hi = self.bounds(n)
+            self.block(f"for (int64_t ix_{n} = {lo}; ix_{n} < {hi}; ++ix_{n})")
         if o.per_element:
             self.emit("const int64_t jj = 0;")
             self.emit(f"const int64_t c0 = ix_{ir.over};")
@@ -1519,7 +1534,8 @@ def cpu_source(op: OpAnalysis, header_name: str) -> str:
     for n, a in enumerate(op.cases):
         targs = f"<{', '.join(template)}>" if template else ""
         if kernels[n].plan is not None:
-            body = block_dispatch(f"blocks_case{n}{targs}")
+            cols = kernels[n].cols
+            body = block_dispatch(f"blocks_case{n}{targs}", _args_expr(kernels[n], a.ir.extents[cols]) if cols else None)
         else:
             body = (f"redfuser::parallel_rows(A.rows, grain, [&](int64_t b, int64_t e) {{ rows_case{n}{targs}(A, b, e); "
                     "});")
@@ -1530,7 +1546,7 @@ def cpu_source(op: OpAnalysis, header_name: str) -> str:
         grain = _grain(a)
         out.append(f"  if ({_case_condition(spec, a)}) {{")
         if kernels[n].plan is None and grain > 1:  # long rows: fewer rows per task, so few rows still use every thread
-            over = re.sub(r"\b(sz|p)_(\w+)", r"A.\1_\2", kernels[n].pr(a.ir.extents[a.ir.over]))
+            over = _args_expr(kernels[n], a.ir.extents[a.ir.over])
             out.append(f"    const int64_t grain = std::max<int64_t>(1, std::min<int64_t>({grain}, "
                        f"{ROW_TASK_ELEMENTS} / std::max<int64_t>(1, static_cast<int64_t>({over}))));")
         else:
@@ -1544,6 +1560,12 @@ def cpu_source(op: OpAnalysis, header_name: str) -> str:
     out.append(f"}}  // namespace redfuser::gen::{spec.name}")
     out.append("")
     return "\n".join(out)
+
+
+def _args_expr(k: _Kernel, e: sp.Expr) -> str:
+    """An extent as run_cpu reads it: sizes and parameters from the Args struct (extents are made of axes and
+    parameters)."""
+    return re.sub(r"\b(sz|p)_(\w+)", r"A.\1_\2", k.pr(e))
 
 
 def _grain(a: Analysis) -> int:

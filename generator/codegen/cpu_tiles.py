@@ -155,6 +155,34 @@ def block_plan(k) -> BlockPlan | None:
     return BlockPlan(sums, folds, keys, order, late)
 
 
+COLS_MIN = 256  # fewest columns of a split free index per task (split_axis)
+
+
+def split_axis(k) -> str | None:
+    """The free index of the GEMM folds whose columns the tasks of one block may share out, or None. Where there
+    are fewer blocks than threads (one token through a quantised GEMM: one block), each task takes a range of the
+    columns (of n in acc[n]) and computes the rows' scalar states itself: the states of the split index are only
+    folded, corrected and stored column by column, so a task needs none of the others' columns. Allowed where
+    every state with free indices is such a fold over the one index, no epilogue reads one, and every output that
+    reads one loops over that index (its other outputs are written by the first task of the block)."""
+    a, plan = k.a, k.plan
+    frees = {g.free for g in plan.folds.values()}
+    if len(frees) != 1:
+        return None
+    n = frees.pop()
+    carried = [f for f in a.reductions if f.free]
+    if any(f.free != (n,) or f.name not in plan.folds for f in carried):
+        return None
+    syms = {sym for f in carried for sym in a.symbols.get(f.name, {}).values()} | {k.ir.states[f.name] for f in carried}
+    if any(f.stage == "epilogue" and (f.free or (f.term is not None and f.term.free_symbols & syms))
+           for f in a.reductions):
+        return None
+    for o in a.outputs:
+        if getattr(o.value, "free_symbols", set()) & syms and n not in o.index:
+            return None
+    return n
+
+
 def _row_keys(k, e: sp.Basic, out: list) -> None:
     """Append to `out` the row-dependent parts of a streamed factor: index expressions that depend on rows only
     (b, g), and the row indices themselves where an index mixes rows with the element (a page read per b and j)."""
@@ -278,7 +306,16 @@ def emit_blocked(k, head: str) -> str:
     k.lines = []
     k.preamble()
     nk = max(1, len(plan.keys))
-    k.block("for (int64_t blk = blk_begin; blk < blk_end; ++blk)")
+    if k.cols:
+        n = k.cols
+        k.block("for (int64_t task = blk_begin; task < blk_end; ++task)")
+        k.emit(f"// task = block x ncol + part: the part's columns of {n}, a multiple of 16 wide (split_axis)")
+        k.emit("const int64_t blk = task / ncol;")
+        k.emit("const int64_t cpart = task % ncol;")
+        k.emit(f"const int64_t col_lo = ex_{n} * cpart / ncol / 16 * 16;")
+        k.emit(f"const int64_t col_hi = cpart + 1 == ncol ? ex_{n} : ex_{n} * (cpart + 1) / ncol / 16 * 16;")
+    else:
+        k.block("for (int64_t blk = blk_begin; blk < blk_end; ++blk)")
     k.emit("const int64_t p0 = blk * rb_n;")
     k.emit("const int64_t nrow = std::min<int64_t>(A.rows - p0, rb_n);")
     k.emit(f"// rows of the block, walked in the order ({', '.join(plan.order)}): the streamed operand's indices first")
@@ -366,7 +403,7 @@ def emit_blocked(k, head: str) -> str:
 
     return (f"// specialisation {ir.label} (blocks of rows sharing the streamed operand, GEMM tiles)\n{head}"
             f"{TARGET_CLONES}static void blocks_case{k.index}(const Args& A, int64_t blk_begin, int64_t blk_end, "
-            f"int64_t rb_n) {{\n{body}\n}}\n")
+            f"int64_t rb_n{', int64_t ncol' if k.cols else ''}) {{\n{body}\n}}\n")
 
 
 def _any_live(k, flags: str) -> None:
@@ -501,7 +538,8 @@ def _one_row(k, flags: str, parts, axis: str, fold: str | None) -> None:
         for line in pre:
             k.emit(line)
         body = f"{fold} + {' + '.join(terms)};" if fold else "{ " + " ".join(terms) + " }"
-        k.emit(f"for (int64_t ix_{axis} = 0; ix_{axis} < ex_{axis}; ++ix_{axis}) {body}")
+        lo, hi = k.bounds(axis) if fold else ("0", f"ex_{axis}")
+        k.emit(f"for (int64_t ix_{axis} = {lo}; ix_{axis} < {hi}; ++ix_{axis}) {body}")
         for line in post:
             k.emit(line)
         k.end()
@@ -560,8 +598,9 @@ def _pack_fold(k, g: GemmFold, f) -> None:
             []), n, f"acc[ix_{n}] = acc[ix_{n}]")
         k.end("} else {")
         k.ind += 1
-    k.block(f"for (int64_t n0 = 0; n0 < ex_{n}; n0 += {NTILE})")
-    k.emit(f"const int64_t nt = std::min<int64_t>({NTILE}, ex_{n} - n0);")
+    lo, hi = k.bounds(n)
+    k.block(f"for (int64_t n0 = {lo}; n0 < {hi}; n0 += {NTILE})")
+    k.emit(f"const int64_t nt = std::min<int64_t>({NTILE}, {hi} - n0);")
     k.emit("uint32_t bad = 0;  // a packed inf/NaN: fold element by element over counted elements only")
     k.block("for (int64_t jj = 0; jj < cn; ++jj)")
     _first_row(k, "cnt")
@@ -658,8 +697,9 @@ def _pack_fold_nt(k, g: GemmFold) -> None:
     counts get weight 0 from every row; a tile with an inf/NaN is folded over counted elements only."""
     ir, ch = k.ir, k.chunk
     n, tile = g.free, _ntile(k)
-    k.block(f"for (int64_t n0 = 0; n0 < ex_{n}; n0 += {tile})")
-    k.emit(f"const int64_t nt = std::min<int64_t>({tile}, ex_{n} - n0);")
+    lo, hi = k.bounds(n)
+    k.block(f"for (int64_t n0 = {lo}; n0 < {hi}; n0 += {tile})")
+    k.emit(f"const int64_t nt = std::min<int64_t>({tile}, {hi} - n0);")
     k.emit("uint32_t bad = 0;  // a packed inf/NaN: fold element by element over counted elements only")
     k.block(f"for (int64_t ix_{n} = n0; ix_{n} < n0 + nt; ++ix_{n})")
     k.emit(f"float* dst = {g.pack} + (ix_{n} - n0) * {ch};")
@@ -680,13 +720,19 @@ def _pack_fold_nt(k, g: GemmFold) -> None:
     k.end()
 
 
-def block_dispatch(call: str) -> str:
+def block_dispatch(call: str, cols: str | None = None) -> str:
     """run_cpu's body for a block kernel: blocks of up to RBLK rows, two blocks per thread (the second evens out
     uneven blocks: causal rows), but one per thread where two would be under SHARE_ROWS rows: every block packs
-    (or decodes) the streamed operand once, so halving small blocks doubles that work (a quantised GEMM at 16 rows)."""
-    return ("(void)grain; const int64_t nthr = std::max<int64_t>(1, static_cast<int64_t>(torch::stable::get_num_threads())); "
+    (or decodes) the streamed operand once, so halving small blocks doubles that work (a quantised GEMM at 16 rows).
+    With `cols` (the extent of the split_axis index), fewer blocks than threads share out their columns, at least
+    COLS_MIN per task: ncol tasks per block."""
+    head = ("(void)grain; const int64_t nthr = std::max<int64_t>(1, static_cast<int64_t>(torch::stable::get_num_threads())); "
             "const int64_t half = (A.rows + 2 * nthr - 1) / (2 * nthr); "
             f"const int64_t rb_n = std::max<int64_t>(1, std::min<int64_t>({RBLK}, half >= {SHARE_ROWS} ? half : "
             "(A.rows + nthr - 1) / nthr)); "
-            "const int64_t nblk = (A.rows + rb_n - 1) / rb_n; "
-            f"redfuser::parallel_rows(nblk, 1, [&](int64_t b, int64_t e) {{ {call}(A, b, e, rb_n); }});")
+            "const int64_t nblk = (A.rows + rb_n - 1) / rb_n; ")
+    if cols is None:
+        return head + f"redfuser::parallel_rows(nblk, 1, [&](int64_t b, int64_t e) {{ {call}(A, b, e, rb_n); }});"
+    return head + ("const int64_t ncol = nblk >= nthr ? 1 : std::max<int64_t>(1, std::min<int64_t>("
+                   f"(nthr + nblk - 1) / nblk, ({cols}) / {COLS_MIN})); "
+                   f"redfuser::parallel_rows(nblk * ncol, 1, [&](int64_t b, int64_t e) {{ {call}(A, b, e, rb_n, ncol); }});")

@@ -345,4 +345,16 @@ MUTANTS: list[Mutant] = [
       "the membership table of the kept groups marks entry positions instead of group ids: grouped routing picks "
       "experts of the first groups whatever their scores",
       ("tests/test_moe_route.py", *NOSLOW), ),
+    M("tiles-cols-task-count", "generator/codegen/cpu_tiles.py",
+      "redfuser::parallel_rows(nblk * ncol, 1,",
+      "redfuser::parallel_rows(nblk, 1,",
+      "a block kernel that shares a row's columns out across tasks launches one task per block: the columns of "
+      "every part but the first are never written (one token of a quantised GEMM on two threads)",
+      ("tests/test_fp8_quant_gemm.py", "-k", "threads"), ),
+    M("tiles-cols-output-range", "generator/codegen/cpu.py",
+      '            lo, hi = self.bounds(n)\n            self.block(f"for (int64_t ix_{n} = {lo}; ix_{n} < {hi}; ++ix_{n})")',
+      '            lo, hi = "0", f"ex_{n}"\n            self.block(f"for (int64_t ix_{n} = {lo}; ix_{n} < {hi}; ++ix_{n})")',
+      "each task of a column-split row stores every column of the output, the others' from states it never "
+      "folded: columns race to values without the weights",
+      ("tests/test_fp8_quant_gemm.py", "tests/test_mla_decode.py", "-k", "threads"), ),
 ]
