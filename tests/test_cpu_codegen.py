@@ -140,7 +140,7 @@ def test_few_rows_share_fold_columns_across_tasks():
     corrected, packed and stored over the task's columns only, and an output without that index (lse) is stored
     by the first task."""
     src = cpu_source(derive(load_spec(ROOT / "specs" / "fp8_quant_gemm.yaml")), "fp8_quant_gemm_cpu.h")
-    assert "const int64_t ncol = nblk >= nthr ? 1 : std::max<int64_t>(1, std::min<int64_t>((nthr + nblk - 1) / " \
+    assert "const int64_t ncol = nblk == 0 || nblk >= nthr ? 1 : std::max<int64_t>(1, std::min<int64_t>((nthr + nblk - 1) / " \
            "nblk, (A.sz_N) / 256));" in src
     for body in _block_loop_bodies(src):
         assert "std::fill(st_acc + col_lo, st_acc + col_hi, 0.0f);" in body

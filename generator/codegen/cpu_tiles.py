@@ -733,6 +733,6 @@ def block_dispatch(call: str, cols: str | None = None) -> str:
             "const int64_t nblk = (A.rows + rb_n - 1) / rb_n; ")
     if cols is None:
         return head + f"redfuser::parallel_rows(nblk, 1, [&](int64_t b, int64_t e) {{ {call}(A, b, e, rb_n); }});"
-    return head + ("const int64_t ncol = nblk >= nthr ? 1 : std::max<int64_t>(1, std::min<int64_t>("
+    return head + ("const int64_t ncol = nblk == 0 || nblk >= nthr ? 1 : std::max<int64_t>(1, std::min<int64_t>("
                    f"(nthr + nblk - 1) / nblk, ({cols}) / {COLS_MIN})); "
                    f"redfuser::parallel_rows(nblk * ncol, 1, [&](int64_t b, int64_t e) {{ {call}(A, b, e, rb_n, ncol); }});")
