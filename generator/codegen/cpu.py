@@ -330,6 +330,13 @@ class _Kernel:
         """The range of free index n this kernel covers: all of it, or a task's columns (cpu_tiles.split_axis)."""
         return ("col_lo", "col_hi") if n == self.cols else ("0", f"ex_{n}")
 
+    def state_span(self, f: ReductionForm) -> tuple[str, str]:
+        """The part [lo, hi) of a state with free indices (flat) that this kernel initialises and corrects: a task's
+        columns where the state is carried over the split index alone, else all of it."""
+        if f.free == (self.cols,):
+            return self.bounds(self.cols)
+        return "0", " * ".join(f"ex_{n}" for n in f.free)
+
     def state_ref(self, name: str) -> str:
         f = self.a.form(name)
         if f.free:
@@ -675,12 +682,10 @@ class _Kernel:
                 self.emit(f"std::fill(bar_{f.name}, bar_{f.name} + {size}, std::numeric_limits<int32_t>::min());")
             return
         neutral = float_literal(float(f.neutral))
-        if f.free and f.free == (self.cols,):
-            lo, hi = self.bounds(self.cols)
-            self.emit(f"std::fill(st_{f.name} + {lo}, st_{f.name} + {hi}, {neutral});")
-        elif f.free:
-            size = " * ".join(f"ex_{n}" for n in f.free)
-            self.emit(f"std::fill(st_{f.name}, st_{f.name} + {size}, {neutral});")
+        if f.free:
+            lo, hi = self.state_span(f)
+            start = f"st_{f.name}" if lo == "0" else f"st_{f.name} + {lo}"
+            self.emit(f"std::fill({start}, st_{f.name} + {hi}, {neutral});")
         elif self.plan is not None:  # a reference into the block's state array
             self.emit(f"st_{f.name} = {neutral};")
         else:
@@ -921,7 +926,7 @@ class _Kernel:
                 size = " * ".join([f"ex_{n}" for n in f.free] or ["int64_t(1)"]) + f" * K_{f.name}"
                 self.emit(f"for (int64_t r = 0; r < {size}; ++r) if (st_{f.name}_ok[r]) {arr}[r] = {arr}[r] {op} {cname};")
             elif f.free:
-                lo, hi = self.bounds(self.cols) if f.free == (self.cols,) else ("0", " * ".join(f"ex_{n}" for n in f.free))
+                lo, hi = self.state_span(f)
                 self.emit(f"for (int64_t r = {lo}; r < {hi}; ++r) st_{f.name}[r] = st_{f.name}[r] {op} {cname};")
             else:
                 self.emit(f"st_{f.name} = st_{f.name} {op} {cname};")
