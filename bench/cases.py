@@ -367,6 +367,54 @@ def _rows_check(op: str, eps: float) -> Callable[[str, Any, tuple], dict]:
     return check
 
 
+def _topk_check(k: int) -> Callable[[str, Any, tuple], dict]:
+    """On the first rows: the ids pick the k largest logits (their values equal torch.topk's sorted values, whatever
+    the order of ties) and the probabilities obey ACCEPTANCE.md's rule against the float64 softmax at those values
+    (plain: torch.softmax in float32)."""
+
+    def check(impl: str, result: Any, inputs: tuple) -> dict[str, Any]:
+        x = inputs[0][:64].cpu()
+        probs, ids = (r[:64].cpu() for r in result)
+        want = x.double().topk(k, dim=-1).values
+        ids_ok = bool(torch.equal(x.double().gather(-1, ids.long()), want))
+        ref = torch.softmax(x.double(), dim=-1).topk(k, dim=-1).values
+        plain = _maxerr(torch.softmax(x.float(), dim=-1).topk(k, dim=-1).values.double(), ref)
+        err = _maxerr(probs.double(), ref)
+        return {"max_err": err, "bound": 2 * plain + 1e-5, "plain_err": plain, "ids_ok": ids_ok,
+                "ok": bool(ids_ok and err <= 2 * plain + 1e-5)}
+
+    return check
+
+
+def topk_case(T: int, V: int, k: int, dtype: torch.dtype) -> Case:
+    """vocab_topk (top-k of a vocabulary for sampling) against torch: softmax in float32, then topk (the
+    probabilities materialised); bytes = the logits read once + the outputs."""
+    esize = torch.tensor([], dtype=dtype).element_size()
+
+    def make_inputs(gen: torch.Generator, dev: str) -> tuple:
+        return ((torch.randn(T, V, generator=gen, device=dev) * 4).to(dtype),)
+
+    def eager(x):
+        top = torch.softmax(x.float(), dim=-1).topk(k, dim=-1)
+        return top.values, top.indices
+
+    impls = [Impl("redfuser", lambda x: torch.ops.redfuser.vocab_topk(x, k)), Impl("eager", eager),
+             Impl("compile", torch.compile(eager, dynamic=False))]
+    return Case("vocab_topk", "rows", f"T{T} V{V} k{k} {DT_SHORT[dtype]}", {"T": T, "V": V, "k": k,
+                "dtype": DT_SHORT[dtype]}, dtype, float(T * V * 4), float(T * V * esize + T * k * 12), T * V * esize,
+                make_inputs, impls, _topk_check(k), 5)
+
+
+def topk_cases(device: str, size: str) -> list[Case]:
+    if device == "cuda":  # stream_row with a selection: a CTA per row, never split
+        shapes = {"full": [(1, 128256, 50), (64, 128256, 50), (1024, 128256, 50), (1024, 32000, 8)],
+                  "quick": [(64, 128256, 50), (1024, 128256, 50)], "tiny": [(64, 128256, 50)]}[size]
+    else:
+        shapes = {"full": [(1, 128256, 50), (64, 32000, 50), (16, 128256, 50)],
+                  "quick": [(64, 32000, 50), (16, 128256, 50)], "tiny": [(4, 1000, 5)]}[size]
+    return [topk_case(T, V, k, dt) for T, V, k in shapes for dt in [torch.float32, torch.bfloat16][:1 if size == "tiny" else 2]]
+
+
 # ----------------------------------------------------------------------------------------------------------
 # mla_decode
 # ----------------------------------------------------------------------------------------------------------
@@ -467,7 +515,7 @@ def _rows_cases(op: str) -> Callable[[str, str], list[Case]]:
 
 # ----------------------------------------------------------------------------------------------------------
 # rms_norm_fp8_quant, row_softmax: ops made only of their YAML spec whose outputs are indexed by the streamed
-# axis (a final pass over the row writes each element); CPU only (no CUDA template writes per-element outputs)
+# axis (a final pass over the row writes each element; on CUDA stream_row's final pass, split rows: a final program)
 # ----------------------------------------------------------------------------------------------------------
 E4M3_MAX, E4M3_MIN_SCALE = 448.0, 1.0 / (448.0 * 512.0)  # vLLM's per-token convention (specs/rms_norm_fp8_quant.yaml)
 
@@ -657,4 +705,4 @@ def gemm_cases(device: str, size: str) -> list[Case]:
 
 OPS = {"fused_attention": attention_cases, "moe_route": route_cases, "mla_decode": mla_cases, "fp8_quant_gemm": gemm_cases,
        "softmax_cross_entropy": _rows_cases("softmax_cross_entropy"), "logsumexp": _rows_cases("logsumexp"),
-       "rms_norm_fp8_quant": rms_quant_cases, "row_softmax": softmax_cases}
+       "rms_norm_fp8_quant": rms_quant_cases, "row_softmax": softmax_cases, "vocab_topk": topk_cases}

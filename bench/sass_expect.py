@@ -75,13 +75,27 @@ RULES: tuple[Rule, ...] = (
     Rule("softmax_cross_entropy__*__sm90a", "stream row", require=("SHFL",), forbid=("HGMMA", "QGMMA", "UTMALDG"),
          why="one CTA per row: online states in registers, merged by warp shuffles and shared memory"),
     # stream_row with per-element outputs: the same streaming pass, then the final states broadcast through shared
-    # memory (a second barrier) and a second pass over the row storing each element (no merge kernel: never split)
+    # memory (a second barrier) and a second pass over the row storing each element; split rows: the merge program
+    # keeps the final states, the final program (a CTA per segment) stores the segment's elements
+    Rule("rms_norm_fp8_quant_merge__*__sm90a", "merge", forbid=("HGMMA", "QGMMA", "UTMALDG"),
+         why="merge of split rows' segment states (and the row's final states kept): a thread per row, plain loads"),
+    Rule("row_softmax_merge__*__sm90a", "merge", forbid=("HGMMA", "QGMMA", "UTMALDG"),
+         why="merge of split rows' segment states (and the row's final states kept): a thread per row, plain loads"),
+    Rule("rms_norm_fp8_quant_final__*__sm90a", "final pass", forbid=("HGMMA", "QGMMA", "UTMALDG", "SHFL"),
+         why="a CTA per segment of a split row: the merged states from the workspace, q written per element"),
+    Rule("row_softmax_final__*__sm90a", "final pass", forbid=("HGMMA", "QGMMA", "UTMALDG", "SHFL"),
+         why="a CTA per segment of a split row: the merged states from the workspace, probabilities per element"),
     Rule("rms_norm_fp8_quant__*__sm90a", "stream row + final pass", require=("SHFL", "BAR"),
          forbid=("HGMMA", "QGMMA", "UTMALDG"),
          why="one CTA per row: sum of squares and abs-max online, then q written per element as e4m3"),
     Rule("row_softmax__*__sm90a", "stream row + final pass", require=("SHFL", "BAR"),
          forbid=("HGMMA", "QGMMA", "UTMALDG"),
          why="one CTA per row: max and rescaled sum online, then each probability written in x's dtype"),
+    # stream_row with a selection: the streaming pass also fills each thread's sorted list of top-k keys
+    # (registers: no local memory), then k rounds of a block-wide maximum (64-bit shuffles, a barrier per round)
+    Rule("vocab_topk__*__sm90a", "stream row + top-k rounds", require=("SHFL", "BAR"),
+         forbid=("HGMMA", "QGMMA", "UTMALDG"),
+         why="one CTA per row: max and rescaled sum online, per-thread top-k lists in registers, k merge rounds"),
     # the router: one warp per row in registers, warp shuffles; no GEMM, no TMA
     Rule("moe_route__*__sm90a", "router", forbid=("HGMMA", "QGMMA"),
          why="a row per warp in registers; no matrix work"),

@@ -5,6 +5,7 @@ Shipped ops keep theirs in redfuser_ops/reference.py."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -66,3 +67,20 @@ def softmax(x: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
     xd = x.to(dtype)
     p = torch.softmax(xd, dim=-1)
     return torch.where(torch.isneginf(xd).all(dim=-1, keepdim=True), torch.zeros((), dtype=dtype), p)
+
+
+def vocab_topk(logits: Tensor, k: int, dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
+    """Per row the k largest logits in descending order (equal ones to the lower index, NaN after every number):
+    (exp(x - m) / sum_v exp(x[v] - m) at them, in `dtype`, m the row max (NaN and +inf propagate as in that formula);
+    their int64 ids). The order is computed on the logits' exact values, whatever `dtype` is."""
+    x = logits.double()
+    nan = torch.isnan(x)
+    ids = torch.empty(x.shape[0], k, dtype=torch.int64)
+    for t in range(x.shape[0]):
+        row = x[t].numpy()
+        order = np.lexsort((np.arange(row.size), -np.where(nan[t].numpy(), 0.0, row), nan[t].numpy()))
+        ids[t] = torch.from_numpy(order[:k].astype(np.int64))
+    xd = logits.to(dtype)
+    m = xd.amax(dim=-1, keepdim=True)
+    p = torch.exp(xd.gather(-1, ids) - m) / torch.exp(xd - m).sum(dim=-1, keepdim=True)
+    return p, ids

@@ -40,6 +40,7 @@ POISON = {
     "fp8_quant_gemm": [("x", "zero row")],
     "rms_norm_fp8_quant": [("x", "zero row")],
     "row_softmax": [("x", "-inf row"), ("x", "-inf some")],
+    "vocab_topk": [("logits", "-inf row"), ("logits", "-inf some")],
     "causal_attention": [("lens", "zero row")],
     "mla_decode": [("cache_seqlens", "zero row")],
 }

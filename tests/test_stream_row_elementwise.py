@@ -35,12 +35,14 @@ LENGTHS = [1, 7, 113, 4095, 4096, 4097, 7168, 10000]
 
 @functools.cache
 def build(name: str, dtype: str):
+    """(row kernel, merge program, final program, math), each emitted for the C target, compiled, loaded."""
     spec, op = engine(name)
     math, _ = stream_math(spec, op)
-    symbol = f"simf_{name}_{dtype}"
-    lib, _ = compile_c_program(sr.emit_stream_row_program(math, sr.StreamVariant(dtype), symbol, backend="cpu_sim"),
-                               symbol)
-    return lib, math
+    v, symbol = sr.StreamVariant(dtype), f"simf_{name}_{dtype}"
+    lib, _ = compile_c_program(sr.emit_stream_row_program(math, v, symbol, backend="cpu_sim"), symbol)
+    merge, _ = compile_c_program(sr.emit_stream_row_merge(math, v, symbol + "_m", backend="cpu_sim"), symbol + "_m")
+    final, _ = compile_c_program(sr.emit_stream_row_final(math, v, symbol + "_f", backend="cpu_sim"), symbol + "_f")
+    return lib, merge, final, math
 
 
 def _column(w: torch.Tensor, dtype: str, misalign: bool) -> tuple[np.ndarray, torch.Tensor]:
@@ -48,23 +50,36 @@ def _column(w: torch.Tensor, dtype: str, misalign: bool) -> tuple[np.ndarray, to
     return buf, seen[0]
 
 
-def run(name: str, x: torch.Tensor, dtype: str, cols=(), fparams=(), ld=None, misalign=False):
-    """(per-row outputs, per-element outputs as float32, the rows as the kernel sees them, the columns likewise)."""
-    lib, math = build(name, dtype)
+def run(name: str, x: torch.Tensor, dtype: str, cols=(), fparams=(), ld=None, misalign=False, sms=None):
+    """(per-row outputs, per-element outputs as float32, the rows as the kernel sees them, the columns likewise).
+    ``sms``: split rows as impl_cuda does on a GPU with that many SMs (row kernel, merge program, final program);
+    None: one CTA per row."""
+    lib, merge, final, math = build(name, dtype)
     T_, L = x.shape
     ld = ld or L
     buf, seen = _device_rows(x, dtype, ld, misalign)
     colbufs = [_column(c, dtype, misalign) for c in cols]
     outs = [np.full(T_, -777.0, dtype=np.float32) for _ in math.outputs]
     elems = [np.full((T_, L), np.nan, dtype=np.float32) for _ in math.elem_outputs]  # poisoned: all written?
-    ws = np.full((len(math.states), T_, 1), np.nan, dtype=np.float32)
+    chunk = sr.StreamVariant(dtype).chunk
+    ns, cps = sr.split_plan(T_, L, sms, chunk) if sms else (1, max(1, L // chunk))
+    ws = np.full((len(math.states), T_, ns), np.nan, dtype=np.float32)
     P = ctypes.c_void_p
-    n_full = L // sr.StreamVariant(dtype).chunk
-    args = [P(buf.ctypes.data)] + [P(o.ctypes.data) for o in outs] + [P(ws.ctypes.data)]
-    args += [P(b.ctypes.data) for b, _ in colbufs] + [P(e.ctypes.data) for e in elems]
-    args += [ctypes.c_int32(L), ctypes.c_int32(max(1, n_full))] + [ctypes.c_float(v) for v in fparams]
-    assert lib.call(*args, ctypes.c_int32(T_), ctypes.c_int32(ld), ctypes.c_int32(1), ctypes.c_int32(L)) == 0
-    assert np.all(np.isnan(ws))  # one CTA per row: the workspace is never touched
+    rows_ = [P(buf.ctypes.data)]
+    tail = [ctypes.c_int32(L)]
+    params = [ctypes.c_float(v) for v in fparams]
+    cols_elems = [P(b.ctypes.data) for b, _ in colbufs] + [P(e.ctypes.data) for e in elems]
+    dims = [ctypes.c_int32(T_), ctypes.c_int32(ld), ctypes.c_int32(ns), ctypes.c_int32(L)]
+    args = rows_ + [P(o.ctypes.data) for o in outs] + [P(ws.ctypes.data)] + cols_elems + tail
+    assert lib.call(*args, ctypes.c_int32(cps), *params, *dims) == 0
+    if ns == 1:
+        assert np.all(np.isnan(ws))  # one CTA per row: the workspace is never touched
+    else:
+        assert all(np.isnan(e).all() for e in elems) and all((o == -777.0).all() for o in outs)
+        assert merge.call(*[P(o.ctypes.data) for o in outs], P(ws.ctypes.data), *tail, *params,
+                          ctypes.c_int32(T_), ctypes.c_int32(ns)) == 0
+        assert final.call(*rows_, P(ws.ctypes.data), *cols_elems, *tail, ctypes.c_int32(cps), *params, *dims) == 0
+    run.last_split = ns
     return outs, elems, seen, [s for _, s in colbufs]
 
 
@@ -175,16 +190,43 @@ def test_row_softmax_sim_infinite_rows(dtype):
     judge_softmax(ov[keep], seen[keep], dtype)
 
 
-def test_plan_has_no_merge_program_and_binds_roles():
+def test_plan_has_merge_and_final_programs_and_binds_roles():
     spec, op = engine("rms_norm_fp8_quant")
     math, roles = stream_math(spec, op)
     assert roles["cols"] == ("weight",) and roles["elem_outputs"] == ("q",) and roles["outputs"] == ("scale",)
-    assert math.elem_outputs[0][1] == "float8_e4m3fn" and math.n_cols == 1
+    assert math.elem_outputs[0][1] == "float8_e4m3fn" and math.n_cols == 1 and not math.whole_row
     plan = stream_plan(spec, op, ["sm80", "sm90a"])
-    assert len(plan.jobs) == 2 * len(spec.variants.cuda.dtypes)  # kernels only: rows are never split
-    assert all("_merge_" not in j.symbol for j in plan.jobs)
+    n_dt = len(spec.variants.cuda.dtypes)
+    # per family: a row kernel and a final program per dtype, one merge program
+    assert len(plan.jobs) == 2 * (2 * n_dt + 1)
+    assert sum("_merge_" in j.symbol for j in plan.jobs) == 2 and sum("_final__" in j.symbol for j in plan.jobs) == 2 * n_dt
     spec, op = engine("row_softmax")
     math, _ = stream_math(spec, op)
     assert math.elem_outputs[0][1] == "row"  # stored in x's dtype
-    with pytest.raises(ValueError, match="no merge program"):
-        sr.emit_stream_row_merge(math, sr.StreamVariant("float32"), "m")
+    with pytest.raises(ValueError, match="final program"):
+        sr.emit_stream_row_final(engine_math("logsumexp"), sr.StreamVariant("float32"), "f")
+
+
+def engine_math(name: str):
+    return stream_math(*engine(name))[0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("L", [16384, 50001])
+def test_split_rows_final_program(dtype, L):
+    """Few long rows split across CTAs: segments' states merged by the merge program (per-row outputs, and the final
+    states in slot 0 of the workspace), then the final program writes each segment's per-element outputs; every
+    element written (poisoned beforehand), the same results as one CTA per row. A row whose first segments hold only
+    -inf (neutral states merged), a zero row (floor scale)."""
+    x, w = rows(3, L, L + 3), weight(L, 9)
+    x[2, : L // 2] = float("-inf")
+    _, (ov,), seen, _ = run("row_softmax", x, dtype, sms=132)
+    assert run.last_split > 1
+    judge_softmax(ov, seen, dtype)
+    assert (ov[2, : L // 2] == 0).all()
+    x[2] = 0.0
+    (scale,), (qv,), seen, (wseen,) = run("rms_norm_fp8_quant", x, dtype, cols=[w], fparams=[1e-6], sms=132)
+    assert run.last_split > 1 and scale[2] == np.float32(E4M3_MIN_SCALE)
+    assert judge_quant(qv, scale, seen, wseen, 1e-6) >= 0.99
+    (scale1,), _, _, _ = run("rms_norm_fp8_quant", x, dtype, cols=[w], fparams=[1e-6])
+    assert run.last_split == 1 and np.allclose(scale1, scale, rtol=2e-6)  # the same up to the order of the sums

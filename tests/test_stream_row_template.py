@@ -49,8 +49,10 @@ def build_sim(name: str, dtype: str, threads: int = 256):
     v = sr.StreamVariant(dtype, threads=threads)
     symbol = f"sim_{name}_{dtype}_{threads}"
     lib, _ = compile_c_program(sr.emit_stream_row_program(math, v, symbol, backend="cpu_sim"), symbol)
-    merge, _ = compile_c_program(sr.emit_stream_row_merge(math, v, symbol + "_merge", backend="cpu_sim"),
-                                 symbol + "_merge")
+    merge = None  # per-element outputs or a selection: one CTA per row, no merge program
+    if not math.whole_row:
+        merge, _ = compile_c_program(sr.emit_stream_row_merge(math, v, symbol + "_merge", backend="cpu_sim"),
+                                     symbol + "_merge")
     return lib, merge, math, roles
 
 

@@ -34,6 +34,8 @@ def _valid(op: str) -> dict:
         return {"x": torch.randn(3, 7, generator=g)}
     if op == "rms_norm_fp8_quant":
         return {"x": torch.randn(3, 7, generator=g), "weight": torch.rand(7, generator=g) + 0.5, "eps": 1e-6}
+    if op == "vocab_topk":
+        return {"logits": torch.randn(3, 7, generator=g), "k": 3}
     if op == "softmax_cross_entropy":
         return {"logits": torch.randn(3, 7, generator=g), "target": torch.tensor([0, 6, 2]),
                 "label_smoothing": 0.0, "ignore_index": -100}

@@ -1436,8 +1436,8 @@ class _Kernel:
                 self.emit_let(let)
         off = _out_offset(o, unit)
         ty = self.types[f"out:{o.name}"]
-        if ty == "int32_t":
-            self.emit(f"o_{o.name}[{off}] = static_cast<int32_t>({self.pr(value)});")
+        if ty in ("int32_t", "int64_t"):  # indices stay integers (through a float, int64 ones would round)
+            self.emit(f"o_{o.name}[{off}] = static_cast<{ty}>({self.pr(value)});")
         else:
             self.emit(f"rf::store(&o_{o.name}[{off}], {self.pr.flt(value)});")
         for _ in loops:

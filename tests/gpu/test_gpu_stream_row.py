@@ -1,4 +1,4 @@
-"""logsumexp and softmax_cross_entropy on CUDA: the stream_row template (GPU only; marker `gpu`).
+"""logsumexp, softmax_cross_entropy and vocab_topk on CUDA: the stream_row template (GPU only; marker `gpu`).
 
 Outputs poisoned beforehand (every row written), rows with tails and of a 128k vocabulary, strided and
 misaligned rows (the element-by-element path), int64 and int32 targets, label smoothing, ignore_index, -inf and NaN
@@ -10,6 +10,7 @@ import pytest
 import torch
 from spec_references import logsumexp as lse_reference
 from spec_references import softmax_cross_entropy as ce_reference
+from spec_references import vocab_topk as topk_reference
 
 import redfuser_ops  # noqa: F401 - loads the library: torch.ops.redfuser.*
 from bench.poison import poisoned_call
@@ -96,3 +97,32 @@ def test_cuda_graph_current_stream():
     torch.cuda.synchronize()
     xc, tc = x.cpu(), target.cpu()
     _judge(out, ce_reference(xc, tc, 0.1), ce_reference(xc, tc, 0.1, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("T, V, k", [(1, 1, 1), (7, 113, 5), (33, 4097, 64), (64, 32000, 50), (16, 128256, 50),
+                                     (3, 262144, 1)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vocab_topk_cuda(T, V, k, dtype):
+    """Ids equal the reference exactly (and the CPU op's); probabilities by the rule."""
+    x = _logits(T, V, dtype, 5 * T + V + k, strided=V == 4097)
+    probs, ids = poisoned_call(torch.ops.redfuser.vocab_topk, (x, k))
+    xc = x.cpu()
+    ref_p, ref_i = topk_reference(xc, k)
+    assert torch.equal(ids.cpu(), ref_i)
+    _judge(probs, ref_p, topk_reference(xc, k, dtype=torch.float32)[0])
+    assert torch.equal(ids.cpu(), torch.ops.redfuser.vocab_topk(xc, k)[1])
+
+
+def test_vocab_topk_ties_nonfinite_and_limit():
+    x = torch.randint(-3, 4, (5, 20000), device="cuda").float()
+    x[1] = float("-inf")
+    x[2, [5, 19999]] = float("nan")
+    x[3, [9, 10000]] = float("inf")
+    x[4, 1::2] = -0.0
+    x[4, ::2] = 0.0
+    probs, ids = torch.ops.redfuser.vocab_topk(x, 64)
+    ref_p, ref_i = topk_reference(x.cpu(), 64)
+    assert torch.equal(ids.cpu(), ref_i) and ids[4].tolist() == list(range(64))
+    assert torch.equal(torch.isnan(probs.cpu()), torch.isnan(ref_p))
+    with pytest.raises(Exception, match="at most 64 entries"):
+        torch.ops.redfuser.vocab_topk(x, 65)

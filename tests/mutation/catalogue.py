@@ -175,6 +175,24 @@ MUTANTS: list[Mutant] = [
       "the long-row kernel's tail chunk lets the element one past the row's end into the states (the next row's "
       "first element, or zero fill)",
       ("tests/test_stream_row_template.py", "-k", "sim_matches_reference"), ),
+    M("stream-row-topk-ties-to-higher-index", "generator/codegen/templates/stream_row.py",
+      '"T.cast(T.uint32(4294967295) - T.cast(i_e, \\"uint32\\"), \\"uint64\\")")',
+      '"T.cast(T.cast(i_e, \\"uint32\\"), \\"uint64\\")")',
+      "the long-row top-k's 64-bit key holds the element index itself below the order word: of equal keys the "
+      "higher index wins (the CPU and the spec keep the lower)",
+      ("tests/test_stream_row_topk.py", "-k", "ties"), ),
+    M("stream-row-topk-threshold-too-high", "generator/codegen/templates/stream_row.py",
+      '                    self.src(f"{thr} = T.if_then_else(i_kk == {q + 1}, {tk(q)}, {thr})")',
+      '                    self.src(f"{thr} = T.if_then_else(i_kk == {q + 2}, {tk(q)}, {thr})")',
+      "a thread's insertion threshold is its (k-1)-th entry instead of its k-th: an element that would be the "
+      "thread's k-th best is refused, and a row whose k-th entry comes from a thread that holds k of them loses it",
+      ("tests/test_stream_row_topk.py", "-k", "one_thread"), ),
+    M("stream-row-final-reads-first-segment", "generator/codegen/templates/stream_row.py",
+      '                self.src(f"WS[{i}, i_row, 0] = {self.t(f\'s{i}\')}")\n',
+      '                self.src("T.evaluate(0)")\n',
+      "the merge program of split rows with per-element outputs does not keep the row's final states: the final "
+      "program writes every element from the first segment's states",
+      ("tests/test_stream_row_elementwise.py", "-k", "split_rows"), ),
     M("stream-row-bridge-where-dropped", "generator/codegen/templates/stream_row_bridge.py",
       "            term = sp.Piecewise((term, expand(f.where)), (MONOIDS[f.op].neutral, True))\n",
       "            pass\n",

@@ -12,9 +12,19 @@ one slot per warp in shared memory, and thread 0 merges the warps' states in ord
 Outputs indexed by the streamed axis (per-element outputs: softmax probabilities, a norm's quantised values) take a
 final pass: thread 0 also puts the row's final states in shared memory, every thread reads them back after a
 barrier and streams its elements of the row again (the same chunks, loads and tail masking), writing each
-per-element output cast to its dtype (float32, float16, bfloat16 or float8_e4m3fn). Such a cascade runs one CTA per
-row: its rows are never split (the final pass needs the whole row's states; a split row would need a third
-program), so n_split is always 1 for it and the kernel has no workspace branch.
+per-element output cast to its dtype (float32, float16, bfloat16 or float8_e4m3fn). When few long rows are split
+across CTAs, the final pass needs the whole row's states: the row kernel writes its segment's states, the merge
+program merges them (and writes the per-row outputs) and puts the row's final states in slot 0 of the workspace, and
+a third program, the *final* program (grid (rows, segments), like the row kernel), reads them there and writes the
+per-element outputs of its segment's chunks.
+
+A *selection* (one top-k over the row, ``Selection``) streams with the states: each thread keeps its own list of
+its best ``KCAP`` entries as sorted 64-bit keys in registers (the order word of the float key above
+``0xFFFFFFFF - e``, so equal keys go to the lower index and a NaN key ranks below -inf), offered per chunk (only when
+an element beats the thread's k-th entry does the branch-free insertion run). After the states' merge, k rounds of
+a block-wide maximum over the lists' heads (a 64-bit warp butterfly, one shared slot per warp) pick the row's
+entries in order (the owner pops its head), and thread j writes entry j's outputs (``k_outputs``), reading its
+element again for the key and the payloads. k <= ``KCAP``; such rows are never split.
 
 Besides the row tensor, the terms and outputs may read *column* tensors ``c<k>``: 1-D tensors indexed by the
 streamed axis alone (a norm's weight), in the row tensor's dtype, loaded next to the row's elements.
@@ -54,12 +64,14 @@ FAMILIES = ("sm80", "sm90a", "sm100a")
 DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 OPS = ("max", "min", "sum")
 OUT_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn")  # per-element outputs ("row": the row's dtype)
+K_DTYPES = ("float32", "int32", "int64")  # outputs of the selected entries
+KCAP = 64  # entries a selection keeps per thread: the most a row can select on CUDA
 _ARCH = {"sm80": "sm_80", "sm90a": "sm_90a", "sm100a": "sm_100a"}
 INF = "T.infinity('float32')"
 MERGE_ROWS = 128  # rows per CTA of the merge program
 
-__all__ = ["DTYPES", "FAMILIES", "SPLIT_CPP", "TEMPLATE_VERSION", "RowMath", "State", "StreamVariant",
-           "emit_stream_row_merge", "emit_stream_row_program", "split_plan"]
+__all__ = ["DTYPES", "FAMILIES", "KCAP", "K_DTYPES", "SPLIT_CPP", "TEMPLATE_VERSION", "RowMath", "Selection", "State",
+           "StreamVariant", "emit_stream_row_final", "emit_stream_row_merge", "emit_stream_row_program", "split_plan"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +88,17 @@ class State:
 
 
 @dataclass(frozen=True)
+class Selection:
+    """A top-k selection over the row: the ``k`` offered elements with the largest ``key`` (float32, element
+    context; it reads no state), equal keys to the lower index, NaN keys after every other key; an element is
+    offered when ``where`` holds (None: always). ``payloads``: float32 values of the element kept with it."""
+
+    key: str
+    where: str | None = None
+    payloads: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class RowMath:
     states: tuple[State, ...]
     merge: tuple[str, ...]  # per state: a segment's value (``s<i>_seg``) corrected to the merged states
@@ -85,6 +108,16 @@ class RowMath:
     n_fparams: int = 0
     n_cols: int = 0  # column tensors C0.. (read at the element's index e, in the row tensor's dtype)
     elem_outputs: tuple[tuple[str, str], ...] = ()  # per-element outputs: (float32 value, dtype of the store)
+    select: Selection | None = None
+    # outputs of the selected entries, (value, dtype of the store): per entry j (rank, 0 = the best), over the final
+    # states, ``kv`` its key (float32), ``kix`` its element's index (int64), ``kp<i>`` its payloads; an entry
+    # left unfilled (fewer than k offered elements) has kv = -inf, kix = -1, kp<i> = 0
+    k_outputs: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def whole_row(self) -> bool:
+        """One CTA per row, never split: a selection's rounds need every thread's list in one CTA."""
+        return self.select is not None
 
 
 @dataclass(frozen=True)
@@ -119,6 +152,10 @@ class StreamVariant:
     def variant_name(self, op: str) -> str:
         short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[self.dtype]
         return f"{op}__{short}_t{self.threads}__{self.family}"
+
+    def final_name(self, op: str) -> str:
+        """The final pass of split rows with per-element outputs (it reads the row: one per dtype)."""
+        return self.variant_name(f"{op}_final")
 
     def merge_name(self, op: str) -> str:
         """The merge program of split rows (one per family: it reads float32 states only)."""
@@ -163,8 +200,16 @@ def check_math(m: RowMath) -> None:
     for _, dt in m.elem_outputs:
         if dt not in OUT_DTYPES + ("row",):
             raise ValueError(f"stream_row: per-element output dtype {dt} not in {OUT_DTYPES}")
+    for _, dt in m.k_outputs:
+        if dt not in K_DTYPES:
+            raise ValueError(f"stream_row: output dtype {dt} of the selected entries not in {K_DTYPES}")
+    if bool(m.k_outputs) != bool(m.select):
+        raise ValueError("stream_row: a selection needs outputs of its entries, and such outputs a selection")
     texts = [s.term for s in m.states] + [s.correction or "0" for s in m.states] + list(m.merge) + list(m.outputs)
-    for text in texts + [t for t, _ in m.elem_outputs]:
+    texts += [t for t, _ in m.elem_outputs] + [t for t, _ in m.k_outputs]
+    if m.select:
+        texts += [m.select.key, m.select.where or "True", *m.select.payloads]
+    for text in texts:
         ast.parse(text, mode="eval")
 
 
@@ -211,8 +256,10 @@ def _backend_math(m: RowMath, sim: bool) -> RowMath:
         return text and ast.unparse(_Intrinsics(sim).visit(ast.parse(text, mode="eval")))
 
     states = tuple(State(s.op, tx(s.term), tx(s.correction), s.kind, tx(s.guard)) for s in m.states)
+    sel = m.select and Selection(tx(m.select.key), tx(m.select.where), tuple(map(tx, m.select.payloads)))
     return replace(m, states=states, merge=tuple(map(tx, m.merge)), outputs=tuple(map(tx, m.outputs)),
-                   elem_outputs=tuple((tx(t), d) for t, d in m.elem_outputs))
+                   elem_outputs=tuple((tx(t), d) for t, d in m.elem_outputs), select=sel,
+                   k_outputs=tuple((tx(t), d) for t, d in m.k_outputs))
 
 
 def _rename(text: str, mapping: dict[str, str]) -> str:
@@ -349,6 +396,120 @@ class _Emitter:
                 self.src(f"{self.t(f's{i}_safe')} = {g}")
             else:
                 self.src(f"{self.t(f's{i}_safe')} = {self.t(f's{i}')}")
+        if self.m.select:
+            self.offer(chunk, tail)
+
+    # ---- the selection ---------------------------------------------------------------------------------
+    def offer(self, chunk: str, tail: bool) -> None:
+        """Offer the thread's elements of a chunk to its own list ``tk`` of the best entries, kept sorted
+        (descending) as 64-bit keys: the key's order word (see ``order_word``) above ``0xFFFFFFFF - e`` (equal keys:
+        the lower index is larger); 0 is an empty entry. The chunk's keys go to ``i_cand`` (0: not offered); only
+        when one beats the thread's k-th entry (``i_thr``) does a loop insert them, best first, while they do: one
+        copy of the branch-free insertion over the static list (registers) per load path, not one per element."""
+        sel = self.m.select
+        P = self.v.per_thread
+        names = {**self.base_names()}
+        ok, thr, best = self.t("i_ok"), self.t("i_thr"), self.t("i_best")
+        tk, cand = (lambda q: self.ta("tk", q)), (lambda q: self.ta("i_cand", q))
+        with self.src.block(self.loop("i_k", P)):
+            self.src(f"i_e = {self.elem_index(chunk, 'i_k')}")
+            names.update({"x": self.widen(self.ta("i_raw", "i_k")), "e": "T.cast(i_e, \"int64\")"})
+            self.order_word(_rename(sel.key, names))
+            self.src(f"{ok} = (T.cast({self.t('i_kb')}, \"uint64\") << T.uint64(32)) | "
+                     "T.cast(T.uint32(4294967295) - T.cast(i_e, \"uint32\"), \"uint64\")")
+            conds = (["i_e < L"] if tail else []) + ([_rename(sel.where, names)] if sel.where else [])
+            value = f"T.if_then_else({' and '.join(conds)}, {ok}, T.uint64(0))" if conds else ok
+            self.src(f"{cand('i_k')} = {value}")
+
+        def chunk_best() -> None:
+            self.src(f"{best} = {cand('0')}")
+            with self.src.block(self.loop("i_k", f"1, {P}")):
+                self.src(f"{best} = T.if_then_else({cand('i_k')} > {best}, {cand('i_k')}, {best})")
+
+        chunk_best()
+        with self.src.block(f"if {best} > {thr}"), self.src.block(f"for i_n in T.serial({P})"):
+            chunk_best()
+            with self.src.block(f"if {best} > {thr}"):
+                # the list's loops are written out (static indices whatever the compiler unrolls: registers)
+                for q in range(KCAP - 1, 0, -1):
+                    self.src(f"{tk(q)} = T.if_then_else({tk(q)} > {best}, {tk(q)}, "
+                             f"T.if_then_else({tk(q - 1)} > {best}, {best}, {tk(q - 1)}))")
+                self.src(f"{tk(0)} = T.if_then_else({tk(0)} > {best}, {tk(0)}, {best})")
+                for q in range(KCAP):
+                    self.src(f"{thr} = T.if_then_else(i_kk == {q + 1}, {tk(q)}, {thr})")
+                with self.src.block(self.loop("i_k", P)):
+                    self.src(f"{cand('i_k')} = T.if_then_else({cand('i_k')} == {best}, T.uint64(0), {cand('i_k')})")
+
+    def order_word(self, key: str) -> None:
+        """``i_kb``: the uint32 order word of the float32 ``key``: larger keys larger, -0.0 as +0.0, NaN (1) below
+        -inf (0x007FFFFF) and above an empty entry (0). Tested on the bits (TVM folds ``k != k``)."""
+        kf, kb = self.t("i_kf"), self.t("i_kb")
+        self.src(f"{kf} = {key}")
+        self.src(f"{kb} = T.reinterpret({kf}, \"uint32\")")
+        mag = f"({kb} & T.uint32(2147483647))"
+        flip = f"({kb} ^ (T.reinterpret(T.reinterpret({kb}, \"int32\") >> 31, \"uint32\") | T.uint32(2147483648)))"
+        self.src(f"{kb} = T.if_then_else({mag} > T.uint32(2139095040), T.uint32(1), "
+                 f"T.if_then_else({mag} == T.uint32(0), T.uint32(2147483648), {flip}))")
+
+    def select_rounds(self) -> None:
+        """The row's k best entries from the threads' lists: per round, the largest head (a warp butterfly of
+        64-bit maxima, one slot per warp in shared memory, every thread reads the warps' slots), whose owner
+        pops it; the winners go to ``shw`` in order of rank (0: an empty entry)."""
+        W = self.v.warps
+        b, o, tk = self.t("i_b"), self.t("o_b"), lambda q: self.ta("tk", q)
+        with self.src.block("for i_j in T.serial(i_kk)"):
+            with self.threads():
+                self.src(f"{b} = {tk('0')}")
+            with self.src.block(self.loop("i_bf", 5)):
+                with self.threads():
+                    src = "i_b[tid ^ (16 >> i_bf)]" if self.sim else "T.shfl_xor(i_b, 16 >> i_bf)"
+                    self.src(f"{o} = {src}")
+                with self.threads():
+                    self.src(f"{b} = T.if_then_else({o} > {b}, {o}, {b})")
+            with self.threads(), self.src.block("if tid % 32 == 0"):
+                self.src(f"shk[tid // 32] = {b}")
+            if not self.sim:
+                self.src("T.sync_threads()")
+            with self.threads():
+                self.src(f"{b} = shk[0]")
+                for w in range(1, W):
+                    self.src(f"{b} = T.if_then_else(shk[{w}] > {b}, shk[{w}], {b})")
+                with self.src.block(f"if {tk('0')} == {b} and {b} != T.uint64(0)"):  # this thread's entry won
+                    for q in range(KCAP - 1):
+                        self.src(f"{tk(q)} = {tk(q + 1)}")
+                    self.src(f"{tk(KCAP - 1)} = T.uint64(0)")
+                with self.src.block("if tid == 0"):
+                    self.src(f"shw[i_j] = {b}")
+            if not self.sim:
+                self.src("T.sync_threads()")
+
+    def select_outputs(self) -> None:
+        """Thread j < k writes the outputs of the entry of rank j: its element is read again (at its index) for the
+        key and the payloads; the row's final states come from shared memory."""
+        sel = self.m.select
+        self.load_final_states()
+        kv, kix = self.t("i_kv"), self.t("i_kix")
+        with self.threads(), self.src.block("if tid < i_kk"):
+            self.src(f"{self.t('i_b')} = shw[tid]")
+            self.src(f"{kv} = -{INF}")
+            self.src(f"{kix} = T.int64(-1)")
+            for i in range(len(sel.payloads)):
+                self.src(f"{self.t(f'i_kp{i}')} = T.float32(0.0)")
+            with self.src.block(f"if {self.t('i_b')} != T.uint64(0)"):
+                self.src(f"{kix} = T.cast(T.uint32(4294967295) - T.cast({self.t('i_b')} & T.uint64(4294967295), "
+                         "\"uint32\"), \"int64\")")
+                names = {**self.base_names(), "x": self.widen(f"X[i_row, {kix}]"), "e": kix}
+                names.update({f"c{k}": self.widen(f"C{k}[{kix}]") for k in range(self.m.n_cols)})
+                self.src(f"{kv} = {_rename(sel.key, names)}")
+                for i, text in enumerate(sel.payloads):
+                    self.src(f"{self.t(f'i_kp{i}')} = {_rename(text, names)}")
+            names = {**self.base_names(), **self.state_names(), "kv": kv, "kix": kix, "j": "T.cast(tid, \"int64\")"}
+            names.update({f"kp{i}": self.t(f"i_kp{i}") for i in range(len(sel.payloads))})
+            for k, (text, dt) in enumerate(self.m.k_outputs):
+                value = _rename(text, names)
+                if dt != "float32":
+                    value = f"T.cast({value}, \"{dt}\")"
+                self.src(f"K{k}[i_row, tid] = {value}")
 
     def full_chunks(self, vector: bool) -> None:
         """This segment's full chunks [c_lo, c_hi) (one segment: all of them)."""
@@ -363,13 +524,13 @@ class _Emitter:
             for i, s in enumerate(self.m.states):
                 self.src(f"{self.t(f's{i}')} = {_neutral(s.op)}")
             self.guards()
+            if self.m.select:
+                for q in range(KCAP):
+                    self.src(f"{self.ta('tk', q)} = T.uint64(0)")
+                self.src(f"{self.t('i_thr')} = T.uint64(0)")
             for k in range(self.m.n_index):
                 self.src(f"{self.t(f'i_r{k}')} = R{k}[i_row]")
-        self.src(f"n_full = L // {self.v.chunk}")
-        # segment i_seg of n_split takes chunks [c_lo, c_hi) (cps per segment, from the host) and the last one the
-        # tail; a segment past the row's end keeps the neutral states
-        self.src("c_lo = T.min(i_seg * cps, n_full)")
-        self.src("c_hi = T.min(c_lo + cps, n_full)")
+        self.segment_range()
         aligned = self.aligned()
         # the vector path: `ld % V == 0` is the whole condition of its own `if` (TileLang's vectorizer takes it
         # as a fact only then); the base pointer's alignment is tested inside it
@@ -383,6 +544,13 @@ class _Emitter:
         with self.src.block(f"if i_seg == n_split - 1 and n_full * {self.v.chunk} < L"), self.threads():
             self.load_tail()
             self.update("n_full", tail=True)
+
+    def segment_range(self) -> None:
+        """Segment i_seg of n_split takes chunks [c_lo, c_hi) (cps per segment, from the host) and the last one the
+        tail; a segment past the row's end keeps the neutral states (and writes nothing in a final pass)."""
+        self.src(f"n_full = L // {self.v.chunk}")
+        self.src("c_lo = T.min(i_seg * cps, n_full)")
+        self.src("c_hi = T.min(c_lo + cps, n_full)")
 
     def aligned(self) -> str:
         """The base pointers of the row tensor and of every column tensor are 16-byte aligned."""
@@ -406,30 +574,46 @@ class _Emitter:
                         value = f"T.cast({value}, \"{dt}\")"
                     self.src(f"E{k}[i_row, i_e] = {value}")
 
-    def final_pass_chunks(self, vector: bool) -> None:
+    def final_pass_chunks(self, vector: bool, split: bool) -> None:
+        """The full chunks of the final pass: all of them, or (split) this segment's [c_lo, c_hi)."""
+        if split:
+            with self.threads(), self.src.block(self.loop("i_cs", "c_hi - c_lo", "serial")):
+                self.src("i_ch = c_lo + i_cs")
+                self.load_chunk("i_ch", vector)
+                self.store_elems("i_ch", tail=False)
+            return
         with self.threads(), self.src.block(self.loop("i_ch", "n_full", "serial")):
             self.load_chunk("i_ch", vector)
             self.store_elems("i_ch", tail=False)
 
-    def final_pass(self) -> None:
-        """Every thread takes the row's final states from shared memory and writes the per-element outputs."""
-        if not self.sim:
+    def load_final_states(self, split: bool = False) -> None:
+        """Every thread takes the row's final states: after a barrier, from shared memory (put there by thread 0);
+        split: from slot 0 of the workspace (put there by the merge program)."""
+        if not self.sim and not split:
             self.src("T.sync_threads()")
         with self.threads():
             for i in range(self.n):
-                self.src(f"{self.t(f's{i}')} = shf[{i}]")
+                self.src(f"{self.t(f's{i}')} = {f'WS[{i}, i_row, 0]' if split else f'shf[{i}]'}")
             self.guards()
             for k in range(self.m.n_index):
                 self.src(f"{self.t(f'i_r{k}')} = R{k}[i_row]")
+
+    def final_pass(self, split: bool = False) -> None:
+        """Every thread takes the row's final states (from shared memory; split: from the merge program's slot 0 of
+        the workspace) and writes the per-element outputs of the row (split: of this segment)."""
+        self.load_final_states(split)
+        if split:
+            self.segment_range()
         V = self.v.vec
         with self.src.block(f"if ld % {V} == 0"):
             with self.src.block(f"if {self.aligned()}"):
-                self.final_pass_chunks(vector=True)
+                self.final_pass_chunks(vector=True, split=split)
             with self.src.block("else"):
-                self.final_pass_chunks(vector=False)
+                self.final_pass_chunks(vector=False, split=split)
         with self.src.block("else"):
-            self.final_pass_chunks(vector=False)
-        with self.src.block(f"if n_full * {self.v.chunk} < L"), self.threads():
+            self.final_pass_chunks(vector=False, split=split)
+        last = "i_seg == n_split - 1 and " if split else ""
+        with self.src.block(f"if {last}n_full * {self.v.chunk} < L"), self.threads():
             self.load_tail()
             self.store_elems("n_full", tail=True)
 
@@ -476,13 +660,15 @@ class _Emitter:
                 other = {f"s{i}": f"sh[{i}, i_w]" for i in range(self.n)}
                 with self.src.block(self.loop("i_w", f"1, {W}", "serial")):
                     self.merge_pair(mine, other)
-            if self.m.elem_outputs:  # never split (n_split == 1): the outputs, and the states for the final pass
+            if self.m.whole_row:  # never split (n_split == 1): the outputs, and the final states for all threads
                 self.outputs()
                 for i in range(self.n):
                     self.src(f"shf[{i}] = {self.t(f's{i}')}")
                 return
             with self.src.block("if n_split == 1"):
                 self.outputs()
+                for i in range(self.n if self.m.elem_outputs else 0):  # the final states for the final pass
+                    self.src(f"shf[{i}] = {self.t(f's{i}')}")
             with self.src.block("else"):  # a segment of a split row: its states, for the merge program
                 for i in range(self.n):
                     self.src(f"WS[{i}, i_row, i_seg] = {self.t(f's{i}')}")
@@ -505,10 +691,15 @@ class _Emitter:
             with self.src.block(self.loop("i_p", "1, n_split", "serial")):
                 self.merge_pair(mine, other)
             self.outputs()
+            for i in range(self.n if self.m.elem_outputs else 0):  # the row's final states, for the final program
+                self.src(f"WS[{i}, i_row, 0] = {self.t(f's{i}')}")
 
     # ---- the whole program --------------------------------------------------------------------------
-    def emit(self, symbol: str, merge: bool = False) -> str:
+    def emit(self, symbol: str, mode: str = "stream") -> str:
+        """``mode``: "stream" (the row kernel), "merge" (split rows' segments merged) or "final" (the final pass of
+        split rows with per-element outputs)."""
         m, v = self.m, self.v
+        merge = mode == "merge"
         self.declare_states("")
         self.declare_states("n_")
         for i in range(self.n):
@@ -521,25 +712,43 @@ class _Emitter:
             self.decl(f"i_craw{k}", raw_dt, v.per_thread)
         for k in range(m.n_index):
             self.decl(f"i_r{k}", "int64")
+        if m.select and not merge:
+            self.decl("tk", "uint64", KCAP)
+            self.decl("i_cand", "uint64", v.per_thread)
+            for nm, dt in (("i_ok", "uint64"), ("i_thr", "uint64"), ("i_best", "uint64"), ("i_b", "uint64"), ("o_b", "uint64"),
+                           ("i_kf", "float32"), ("i_kb", "uint32"), ("i_kv", "float32"), ("i_kix", "int64")):
+                self.decl(nm, dt)
+            for i in range(len(m.select.payloads)):
+                self.decl(f"i_kp{i}", "float32")
+        if m.select and not merge:
+            self.src(f"i_kk = T.min(kd, {KCAP})")
         if merge:
             with self.src.block("if i_row < n_rows"):
                 self.merge_segments()
+        elif mode == "final":
+            self.final_pass(split=True)
         else:
             self.stream()
             self.butterfly()
             self.across_warps()
-            if m.elem_outputs:
-                self.final_pass()
+            if m.elem_outputs:  # split rows take the merge and final programs instead
+                with self.src.block("if n_split == 1"):
+                    self.final_pass()
+            if m.select:
+                self.select_rounds()
+                self.select_outputs()
         body = self.src.lines
 
         params = [] if merge else [f"X: T.Tensor((n_rows, ld), \"{raw_dt}\")"]
         params += [f"R{k}: T.Tensor((n_rows,), \"int64\")" for k in range(m.n_index)]
-        params += [f"O{k}: T.Tensor((n_rows,), \"float32\")" for k in range(len(m.outputs))]
+        if mode != "final":
+            params += [f"O{k}: T.Tensor((n_rows,), \"float32\")" for k in range(len(m.outputs))]
         params += [f"WS: T.Tensor(({self.n}, n_rows, n_split), \"float32\")"]
         if not merge:
             params += [f"C{k}: T.Tensor((lo,), \"{raw_dt}\")" for k in range(m.n_cols)]
             params += [f"E{k}: T.Tensor((n_rows, lo), \"{'float32' if self.sim else dt.replace('row', v.dtype)}\")"
                        for k, (_, dt) in enumerate(m.elem_outputs)]
+            params += [f"K{k}: T.Tensor((n_rows, kd), \"{dt}\")" for k, (_, dt) in enumerate(m.k_outputs)]
         params += ["L: T.int32"] + ([] if merge else ["cps: T.int32"])
         params += [f"ip{k}: T.int64" for k in range(m.n_iparams)]
         params += [f"fp{k}: T.float32" for k in range(m.n_fparams)]
@@ -557,6 +766,8 @@ class _Emitter:
         dims = "n_rows, n_split" if merge else "n_rows, ld, n_split"
         if not merge and (m.n_cols or m.elem_outputs):
             dims += ", lo"  # the row length as a tensor extent: column tensors and per-element outputs (contiguous)
+        if not merge and m.k_outputs:
+            dims += ", kd"  # the entries of a row's selection: the outputs' second extent (contiguous rows)
         out(f"PARAM_ORDER = {tuple(p.split(':')[0] for p in params)!r}  # then {dims}, then the stream")
         out("PASS_CONFIGS = {}")
         out("")
@@ -588,12 +799,18 @@ class _Emitter:
             if not self.sim:
                 out("tid = T.get_thread_binding(0)")
                 out(f"sh = T.alloc_shared(({self.n}, {v.warps}), \"float32\")")
-                if m.elem_outputs:
+                if m.whole_row or m.elem_outputs:
                     out(f"shf = T.alloc_shared(({self.n},), \"float32\")")
+                if m.select:
+                    out(f"shk = T.alloc_shared(({v.warps},), \"uint64\")")
+                    out(f"shw = T.alloc_shared(({KCAP},), \"uint64\")")
             else:
                 out(f"sh = T.alloc_local(({self.n}, {v.warps}), \"float32\")")
-                if m.elem_outputs:
+                if m.whole_row or m.elem_outputs:
                     out(f"shf = T.alloc_local(({self.n},), \"float32\")")
+                if m.select:
+                    out(f"shk = T.alloc_local(({v.warps},), \"uint64\")")
+                    out(f"shw = T.alloc_local(({KCAP},), \"uint64\")")
         for nm in sorted(self.decls):
             dt, n = self.decls[nm]
             if self.sim:
@@ -616,9 +833,21 @@ def emit_stream_row_merge(math: RowMath, variant: StreamVariant, symbol: str, ba
     launcher appends n_rows and n_split, then the stream."""
     if not symbol.isidentifier():
         raise ValueError(f"symbol {symbol!r} is not an identifier")
-    if math.elem_outputs:
-        raise ValueError("stream_row: a cascade with per-element outputs runs one CTA per row (no merge program)")
-    return _Emitter(math, variant, backend).emit(symbol, merge=True)
+    if math.whole_row:
+        raise ValueError("stream_row: a cascade with a selection runs one CTA per row (no merge program)")
+    return _Emitter(math, variant, backend).emit(symbol, mode="merge")
+
+
+def emit_stream_row_final(math: RowMath, variant: StreamVariant, symbol: str, backend: str = "cuda") -> str:
+    """The final pass of split rows with per-element outputs: grid (n_rows, n_split) like the row kernel; each CTA
+    takes its row's final states from slot 0 of the workspace (written there by the merge program) and writes the
+    per-element outputs of its segment's chunks (the last segment: the tail too). Arguments: X, R<k>, WS, C<k>,
+    E<k>, L, cps, the parameters; the launcher appends n_rows, ld, n_split and lo, then the stream."""
+    if not symbol.isidentifier():
+        raise ValueError(f"symbol {symbol!r} is not an identifier")
+    if not math.elem_outputs or math.whole_row:
+        raise ValueError("stream_row: a final program writes the per-element outputs of split rows")
+    return _Emitter(math, variant, backend).emit(symbol, mode="final")
 
 
 def emit_stream_row_program(math: RowMath, variant: StreamVariant, symbol: str, backend: str = "cuda") -> str:

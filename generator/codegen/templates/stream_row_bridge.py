@@ -9,7 +9,9 @@ reads of 1-D integer tensors, reads of 1-D *column* tensors at the streamed inde
 tensor's dtype), and scalars. An output is indexed by the row (written once per row) or by (row, streamed index): a
 per-element output, written in the template's final pass over the row from the final states, stored as float32,
 float16, bfloat16, float8_e4m3fn or the row tensor's dtype (an outermost cast to that dtype is the store's
-conversion). A cascade with per-element outputs runs one CTA per row (rows are not split across CTAs). What the
+conversion). One top-k selection over the row (a key that reads no state; `where=`, payloads) may stream with the
+states; its outputs, indexed (row, rank), read the entries (`sel.value[r]`, `sel.index[r]`, payloads), the final states
+and the parameters, stored as float32/int32/int64; such rows run one CTA each (never split). What the
 kernel computes comes from the engine: the states' terms, their online corrections and guards, the merge form
 (merge_terms) and the outputs.
 """
@@ -46,13 +48,17 @@ def _case_math(spec: OpSpec, a: Analysis) -> tuple[sr.RowMath, dict]:
                     f"{len(a.passes)} pass(es) and {sum(f.stage != 'stream' for f in a.reductions)} epilogue(s)")
     if ir.mask not in (sp.true, True):
         raise _fail(where, "has no mask over the streamed axis")
+    sels = [f for f in a.reductions if f.selection]
+    if len(sels) > 1:
+        raise _fail(where, f"selects more than once ({', '.join(f.name for f in sels)}): one top-k per row")
     for f in a.reductions:
         if f.free:
             raise _fail(where, f"reduction {f.name} is carried over {', '.join(f.free)}: per-row states only")
-        if f.payloads or f.k is not None:
-            raise _fail(where, f"reduction {f.name} ({f.op}) selects elements (top-k/arg): not a row state")
-        if f.op not in sr.OPS:
+        if f.selection and f.k is None:
+            raise _fail(where, f"reduction {f.name} ({f.op}) selects one element: stream_row selects top-k")
+        if not f.selection and f.op not in sr.OPS:
             raise _fail(where, f"reduction {f.name}: op {f.op} not in {sr.OPS}")
+    sel = sels[0] if sels else None
     over = ir.indices[ir.over]
     row = ir.indices[ir.rows[0]]
     row_axis = str(ir.extents[ir.rows[0]])
@@ -68,8 +74,14 @@ def _case_math(spec: OpSpec, a: Analysis) -> tuple[sr.RowMath, dict]:
     reads = set()
     for f in a.reductions:
         reads |= expand(f.term).atoms(sp.Indexed) | expand(sp.sympify(f.where)).atoms(sp.Indexed)
+        for p in f.payloads:
+            reads |= expand(p.term).atoms(sp.Indexed)
+    entries = {}  # a selection's entries read by the outputs: top.value[r] -> kv, top.index[r] -> kix, ...
+    if sel is not None:
+        fields = {"value": "kv", "index": "kix", **{p.name: f"kp{i}" for i, p in enumerate(sel.payloads)}}
+        entries = {sp.IndexedBase(f"{sel.name}.{fl}"): nm for fl, nm in fields.items()}
     for o in a.outputs:
-        reads |= expand(o.value).atoms(sp.Indexed)
+        reads |= {ix for ix in expand(o.value).atoms(sp.Indexed) if ix.base not in entries}
     row_reads = sorted({ix for ix in reads if tuple(ix.indices) == (row, over)}, key=str)
     if len(row_reads) != 1:
         raise _fail(where, f"needs exactly one row tensor read at [{row}, {over}], found "
@@ -107,10 +119,11 @@ def _case_math(spec: OpSpec, a: Analysis) -> tuple[sr.RowMath, dict]:
     names.update({ix: f"c{k}" for k, ix in enumerate(col_reads)})
     names.update({ir.scalars[n]: f"ip{k}" for k, n in enumerate(iparams)})
     names.update({ir.scalars[n]: f"fp{k}" for k, n in enumerate(fparams)})
-    pos = {f.name: f"s{i}" for i, f in enumerate(a.reductions)}
+    rows_states = [f for f in a.reductions if not f.selection]
+    pos = {f.name: f"s{i}" for i, f in enumerate(rows_states)}
     guards = {g.state: g for g in a.guards}
     st = {}
-    for f in a.reductions:
+    for f in rows_states:
         sy = a.symbols[f.name]
         p = pos[f.name]
         st[p] = sy
@@ -124,14 +137,14 @@ def _case_math(spec: OpSpec, a: Analysis) -> tuple[sr.RowMath, dict]:
         sub = {}
         for n, g in guards.items():
             sub[a.symbols[n]["old_safe"]] = g.apply(a.symbols[n]["old"])
-        for f in a.reductions:
+        for f in rows_states:
             if f.name not in guards:
                 sub[a.symbols[f.name]["old_safe"]] = a.symbols[f.name]["old"]
         return e.xreplace(sub)
 
     tl = _Printer(names, where, sr.INF)
     states = []
-    for f in a.reductions:
+    for f in rows_states:
         term = expand(f.term)
         if f.where not in (sp.true, True):  # where=: an element that fails the predicate contributes the neutral
             term = sp.Piecewise((term, expand(f.where)), (MONOIDS[f.op].neutral, True))
@@ -144,13 +157,27 @@ def _case_math(spec: OpSpec, a: Analysis) -> tuple[sr.RowMath, dict]:
         corr = None if f.kind == "none" else tl(old_safe(f.correction))
         states.append(sr.State(f.op, tl(term), corr, "add" if f.kind == "+" else "mul", guard))
     # the merge form: a segment's states corrected to the merged ones (names: s<i>_seg, s<i>, s<i>_safe)
-    forms = [replace(f, name=pos[f.name]) for f in a.reductions]
+    select = None
+    if sel is not None:
+        key = expand(sel.term)
+        bad = (key.atoms(sp.Indexed) | expand(sp.sympify(sel.where)).atoms(sp.Indexed)) - {x_read} - \
+            set(index_reads) - set(col_reads)
+        bad |= {ix for p in sel.payloads for ix in expand(p.term).atoms(sp.Indexed)} - {x_read} - set(index_reads) \
+            - set(col_reads)
+        if bad:
+            raise _fail(where, f"selection {sel.name} reads {sorted(map(str, bad))}")
+        cond = None if sel.where in (sp.true, True) else tl(expand(sel.where))
+        select = sr.Selection(tl(key), cond, tuple(tl(expand(p.term)) for p in sel.payloads))
+    forms = [replace(f, name=pos[f.name]) for f in a.reductions if not f.selection]
     base = {s: names[s] for s in [*ir.scalars.values(), ir.extents[ir.over], *index_reads]}
     _, terms = merge_terms(forms, st, {pos[n]: g for n, g in guards.items()}, base,
                            lambda nm: _Printer(nm, where, sr.INF))
-    outputs, elem = [], []
+    outputs, elem, kout = [], [], []
     for o in a.outputs:
         dtype = next(x.dtype for x in spec.outputs if x.name == o.name)
+        if sel is not None and len(o.index) == 2 and o.index[0] == ir.rows[0] and o.index[1] != ir.over:
+            kout.append((o.name, _k_output(where, o, dtype, sel, ir, entries, names)))
+            continue
         if tuple(o.index) == (ir.rows[0], ir.over):
             elem.append((o.name, _elem_output(where, o, dtype, x_name, expand, tl)))
             continue
@@ -162,15 +189,46 @@ def _case_math(spec: OpSpec, a: Analysis) -> tuple[sr.RowMath, dict]:
         if o.per_element:
             raise _fail(where, f"output {o.name} reads elements of the row after the pass")
         outputs.append(tl(o.value))
+    if sel is not None and not kout:
+        raise _fail(where, f"no output reads the entries of the selection {sel.name}")
     math = sr.RowMath(tuple(states), tuple(t for _, t in terms), tuple(outputs), len(index_reads), len(iparams),
-                      len(fparams), len(col_reads), tuple(e for _, e in elem))
+                      len(fparams), len(col_reads), tuple(e for _, e in elem), select, tuple(e for _, e in kout))
     sr.check_math(math)
     elem_names = {n for n, _ in elem}
     roles = {"x": x_name, "rows": row_axis, "length": length_axis, "index": tuple(index_names),
              "iparams": tuple(iparams), "fparams": tuple(fparams),
-             "outputs": tuple(o.name for o in a.outputs if o.name not in elem_names),
-             "cols": tuple(str(ix.base.label) for ix in col_reads), "elem_outputs": tuple(n for n, _ in elem)}
+             "outputs": tuple(o.name for o in a.outputs if o.name not in elem_names | {n for n, _ in kout}),
+             "cols": tuple(str(ix.base.label) for ix in col_reads), "elem_outputs": tuple(n for n, _ in elem),
+             "k_outputs": tuple(n for n, _ in kout)}
     return math, roles
+
+
+def _k_output(where: str, o, dtype: str, sel, ir, entries: dict, names: dict) -> tuple[str, str]:
+    """(value text, store dtype) of an output of the selection's entries, indexed (row, rank)."""
+    r = ir.indices[o.index[1]]
+    if ir.extents[o.index[1]] != sel.k:
+        raise _fail(where, f"output {o.name} is indexed by {o.index[1]} of extent {ir.extents[o.index[1]]}, not the "
+                    f"selection's k = {sel.k}")
+    if dtype not in sr.K_DTYPES:
+        raise _fail(where, f"output {o.name} is {dtype}: the entries of a selection are stored as "
+                    f"{'/'.join(sr.K_DTYPES)}")
+    value = o.value
+    for ix in value.atoms(sp.Indexed):
+        if ix.base not in entries:
+            raise _fail(where, f"output {o.name} reads {ix}: an entry's output reads the entries, states and "
+                        "parameters only")
+        if tuple(ix.indices) != (r,):
+            raise _fail(where, f"output {o.name} reads {ix}: entries are read at the output's own rank {r}")
+    sub = {ix: sp.Symbol(f"_entry_{entries[ix.base]}") for ix in value.atoms(sp.Indexed)}
+    knames = dict(names)
+    knames.update({sym: str(sym)[len("_entry_"):] for sym in sub.values()})
+    knames[r] = "j"
+    if isinstance(value, Cast) and value.dtype == dtype:  # the store's own conversion
+        value = value.args[0]
+    try:
+        return _Printer(knames, where, sr.INF)(value.xreplace(sub)), dtype
+    except ValueError as exc:
+        raise _fail(where, f"output {o.name}: {exc}") from exc
 
 
 def _elem_output(where: str, o, dtype: str, x_name: str, expand, tl) -> tuple[str, str]:
@@ -207,7 +265,7 @@ def stream_plan(spec: OpSpec, op: OpAnalysis, families: list[str]) -> Plan:
     entries = []
     for fam in families:
         merge = None
-        if not math.elem_outputs:  # a cascade with per-element outputs is never split: no merge program
+        if not math.whole_row:  # a selection is never split: no merge program
             merge = sr.StreamVariant(cv.dtypes[0], fam).merge_name(spec.name)
             plan.jobs.append(Job(merge, fam, sr.emit_stream_row_merge(math, sr.StreamVariant(cv.dtypes[0], fam),
                                                                       merge), hdr))
@@ -215,7 +273,11 @@ def stream_plan(spec: OpSpec, op: OpAnalysis, families: list[str]) -> Plan:
             v = sr.StreamVariant(dt, fam)
             sym = v.variant_name(spec.name)
             plan.jobs.append(Job(sym, fam, sr.emit_stream_row_program(math, v, sym), hdr))
-            entries.append((fam, dt, sym, merge, v.chunk))
+            final = None
+            if math.elem_outputs:  # split rows' per-element outputs: written after the merge, per segment
+                final = v.final_name(spec.name)
+                plan.jobs.append(Job(final, fam, sr.emit_stream_row_final(math, v, final), hdr))
+            entries.append((fam, dt, sym, merge, v.chunk, final))
     plan.entries = entries  # type: ignore[attr-defined]
     plan.math = math  # type: ignore[attr-defined]
     plan.roles = roles  # type: ignore[attr-defined]
@@ -226,7 +288,8 @@ def stream_plan(spec: OpSpec, op: OpAnalysis, families: list[str]) -> Plan:
 def stream_body(spec: OpSpec, plan, lowered: dict[str, dict]) -> list[str]:
     """impl_cuda: rows with unit element stride (else copied), int64 index tensors, contiguous column tensors (else
     copied), launches over row chunks whose int32 offsets fit; few long rows are split across CTAs (segments' states
-    in a float32 workspace, then the merge program) unless the cascade has per-element outputs (one CTA per row)."""
+    in a float32 workspace, then the merge program, then for per-element outputs the final program) unless the
+    cascade selects (one CTA per row)."""
     r = plan.roles
     x = r["x"]
     fams = ", ".join(f'"{f}"' for f in plan.families)
@@ -259,7 +322,7 @@ def stream_body(spec: OpSpec, plan, lowered: dict[str, dict]) -> list[str]:
             f"  const Tensor col{k} = {name}.stride(0) == 1 ? {name} : torch::stable::contiguous({name});",
         ]
     per_row = [("xx", x)] + [(f"idx{k}", n) for k, n in enumerate(r["index"])] + [(f"c.{o}", o) for o in r["outputs"]]
-    per_row += [(f"c.{o}", o) for o in r["elem_outputs"]]
+    per_row += [(f"c.{o}", o) for o in r["elem_outputs"] + r["k_outputs"]]
     extents = ", ".join(f"{{\"{n}\", {t}.stride(0), redfuser::batch_extent({t})}}" for t, n in per_row)
     L += [
         (f"  const int64_t rchunk = redfuser::batch_chunk(kOp, {rows}, {{{extents}}}, "
@@ -268,12 +331,16 @@ def stream_body(spec: OpSpec, plan, lowered: dict[str, dict]) -> list[str]:
         f"  const int64_t n_launch = std::min(rchunk, {rows} - r0);",
         "  bool launched = false;",
         "  int64_t ns = 1, cps = 0;",
-        ("  stream_row_split_plan(n_launch, " + length + ", sms, chunk, ns, cps);" if not r["elem_outputs"] else
-         f"  cps = std::max<int64_t>(1, {length} / chunk);  // per-element outputs: one CTA per row, never split"),
+        ("  stream_row_split_plan(n_launch, " + length + ", sms, chunk, ns, cps);" if not plan.math.whole_row else
+         f"  cps = std::max<int64_t>(1, {length} / chunk);  // a selection: one CTA per row, never split"),
         "  // the segments' states (unused when a row is one segment: an output stands in for it)",
         (f"  Tensor ws = ns > 1 ? torch::stable::new_empty(xx, {{{len(plan.math.states)}, n_launch, ns}}, "
-         f"ScalarType::Float) : c.{(r['outputs'] + r['elem_outputs'])[0]};"),
+         f"ScalarType::Float) : c.{(r['outputs'] + r['elem_outputs'] + r['k_outputs'])[0]};"),
     ]
+    if r["k_outputs"]:  # the selection's entries: one list of at most KCAP per thread
+        kd = f"c.{r['k_outputs'][0]}.size(1)"
+        L.insert(L.index("  bool launched = false;"),
+                 f"  check({kd} <= {sr.KCAP}, kOp, \"on CUDA a row selects at most {sr.KCAP} entries, got \", {kd});")
     args = {"X": "redfuser::batch_ptr(xx, r0)", "L": length, "n_rows": "n_launch", "ld": "ld",
             "WS": "ws.mutable_data_ptr()", "n_split": "ns", "cps": "cps"}
     for k, _ in enumerate(r["index"]):
@@ -286,17 +353,21 @@ def stream_body(spec: OpSpec, plan, lowered: dict[str, dict]) -> list[str]:
         args[f"E{k}"] = f"redfuser::batch_ptr(c.{o}, r0)"
     if r["cols"] or r["elem_outputs"]:
         args["lo"] = length
+    for k, o in enumerate(r["k_outputs"]):
+        args[f"K{k}"] = f"redfuser::batch_ptr(c.{o}, r0)"
+    if r["k_outputs"]:
+        args["kd"] = f"c.{r['k_outputs'][0]}.size(1)"
     for k, p in enumerate(r["iparams"]):
         args[f"ip{k}"] = f"A.p_{p}"
     for k, p in enumerate(r["fparams"]):
         args[f"fp{k}"] = f"A.p_{p}"
-    chunks = {chunk for _, _, _, _, chunk in plan.entries}
+    chunks = {chunk for _, _, _, _, chunk, _ in plan.entries}
     if len(chunks) != 1:
         raise BridgeError(f"{spec.name}: stream_row variants differ in chunk size {sorted(chunks)}")
     L.insert(L.index("  bool launched = false;"), f"  const int64_t chunk = {chunks.pop()};")
-    if not r["elem_outputs"]:  # the split plan needs the SM count
+    if not plan.math.whole_row:  # the split plan needs the SM count
         L.insert(L.index("do {"), "const int64_t sms = redfuser::device_sm_count(kOp, ctx.device());")
-    for fam, dt, sym, merge, _ in plan.entries:
+    for fam, dt, sym, merge, _, final in plan.entries:
         L += [
             f"  if (!launched && fam == \"{fam}\" && dt == {SCALAR_TYPES[dt]}) {{",
             f"    redfuser::launch(kV_{sym}, ctx, [&](void* s) {{ return {launch_call(sym, lowered[sym]['params'], args)}; }});",
@@ -305,8 +376,11 @@ def stream_body(spec: OpSpec, plan, lowered: dict[str, dict]) -> list[str]:
             L += [
                 "    if (ns > 1) {",
                 f"      redfuser::launch(kV_{merge}, ctx, [&](void* s) {{ return {launch_call(merge, lowered[merge]['params'], args)}; }});",
-                "    }",
             ]
+            if final:  # per-element outputs of split rows, from the merged states
+                L.append(f"      redfuser::launch(kV_{final}, ctx, [&](void* s) {{ return "
+                         f"{launch_call(final, lowered[final]['params'], args)}; }});")
+            L.append("    }")
         L += [
             "    launched = true;",
             "  }",
