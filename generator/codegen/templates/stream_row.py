@@ -576,13 +576,10 @@ class _Emitter:
 
     def final_pass_chunks(self, vector: bool, split: bool) -> None:
         """The full chunks of the final pass: all of them, or (split) this segment's [c_lo, c_hi)."""
-        if split:
-            with self.threads(), self.src.block(self.loop("i_cs", "c_hi - c_lo", "serial")):
+        var, extent = ("i_cs", "c_hi - c_lo") if split else ("i_ch", "n_full")
+        with self.threads(), self.src.block(self.loop(var, extent, "serial")):
+            if split:
                 self.src("i_ch = c_lo + i_cs")
-                self.load_chunk("i_ch", vector)
-                self.store_elems("i_ch", tail=False)
-            return
-        with self.threads(), self.src.block(self.loop("i_ch", "n_full", "serial")):
             self.load_chunk("i_ch", vector)
             self.store_elems("i_ch", tail=False)
 
@@ -720,7 +717,6 @@ class _Emitter:
                 self.decl(nm, dt)
             for i in range(len(m.select.payloads)):
                 self.decl(f"i_kp{i}", "float32")
-        if m.select and not merge:
             self.src(f"i_kk = T.min(kd, {KCAP})")
         if merge:
             with self.src.block("if i_row < n_rows"):

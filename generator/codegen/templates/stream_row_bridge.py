@@ -219,14 +219,11 @@ def _k_output(where: str, o, dtype: str, sel, ir, entries: dict, names: dict) ->
                         "parameters only")
         if tuple(ix.indices) != (r,):
             raise _fail(where, f"output {o.name} reads {ix}: entries are read at the output's own rank {r}")
-    sub = {ix: sp.Symbol(f"_entry_{entries[ix.base]}") for ix in value.atoms(sp.Indexed)}
-    knames = dict(names)
-    knames.update({sym: str(sym)[len("_entry_"):] for sym in sub.values()})
-    knames[r] = "j"
+    knames = {**names, **{ix: entries[ix.base] for ix in value.atoms(sp.Indexed)}, r: "j"}
     if isinstance(value, Cast) and value.dtype == dtype:  # the store's own conversion
         value = value.args[0]
     try:
-        return _Printer(knames, where, sr.INF)(value.xreplace(sub)), dtype
+        return _Printer(knames, where, sr.INF)(value), dtype
     except ValueError as exc:
         raise _fail(where, f"output {o.name}: {exc}") from exc
 
@@ -337,8 +334,8 @@ def stream_body(spec: OpSpec, plan, lowered: dict[str, dict]) -> list[str]:
         (f"  Tensor ws = ns > 1 ? torch::stable::new_empty(xx, {{{len(plan.math.states)}, n_launch, ns}}, "
          f"ScalarType::Float) : c.{(r['outputs'] + r['elem_outputs'] + r['k_outputs'])[0]};"),
     ]
-    if r["k_outputs"]:  # the selection's entries: one list of at most KCAP per thread
-        kd = f"c.{r['k_outputs'][0]}.size(1)"
+    kd = f"c.{r['k_outputs'][0]}.size(1)" if r["k_outputs"] else None  # a row's entries: the outputs' 2nd extent
+    if kd:  # the selection's entries: one list of at most KCAP per thread
         L.insert(L.index("  bool launched = false;"),
                  f"  check({kd} <= {sr.KCAP}, kOp, \"on CUDA a row selects at most {sr.KCAP} entries, got \", {kd});")
     args = {"X": "redfuser::batch_ptr(xx, r0)", "L": length, "n_rows": "n_launch", "ld": "ld",
@@ -355,8 +352,8 @@ def stream_body(spec: OpSpec, plan, lowered: dict[str, dict]) -> list[str]:
         args["lo"] = length
     for k, o in enumerate(r["k_outputs"]):
         args[f"K{k}"] = f"redfuser::batch_ptr(c.{o}, r0)"
-    if r["k_outputs"]:
-        args["kd"] = f"c.{r['k_outputs'][0]}.size(1)"
+    if kd:
+        args["kd"] = kd
     for k, p in enumerate(r["iparams"]):
         args[f"ip{k}"] = f"A.p_{p}"
     for k, p in enumerate(r["fparams"]):
