@@ -430,6 +430,31 @@ inline void gemm_tile_nt(REDFUSER_GEMM_ARGS) { gemm_nt_rows<vf4, 2, 4>(M, N, K, 
 // pairs, halves), 24 shuffles per 64 elements, with contiguous loads and stores; the element-wise pack stored every
 // element to its own cache line (14 % of fused_attention's fp32 time at S 1024, 75 % of mla_decode's). Remainder
 // rows and columns element by element.
+// eight consecutive elements widened to float, as one vector: one 32-byte load for float, one 16-byte load and a
+// shift for bf16 (written element by element, GCC assembled pack_transposed's float rows from scalar inserts)
+template <class T>
+__attribute__((always_inline)) inline vf8 ld8(const T* p) {
+  vf8 v;
+  for (int e = 0; e < 8; ++e) v[e] = ld(p[e]);
+  return v;
+}
+template <>
+__attribute__((always_inline)) inline vf8 ld8<float>(const float* p) {
+  vf8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+template <>
+__attribute__((always_inline)) inline vf8 ld8<bf16_t>(const bf16_t* p) {
+  typedef uint16_t vu16x8 __attribute__((vector_size(16)));
+  vu16x8 h;
+  std::memcpy(&h, p, sizeof(h));
+  const vi8 w = __builtin_convertvector(h, vi8) << 16;
+  vf8 v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
 template <class T>
 __attribute__((always_inline)) inline void pack_transposed(int64_t R, int64_t C, const T* const* rows,
                                                            float* __restrict__ dst, int64_t ldd) {
@@ -441,11 +466,7 @@ __attribute__((always_inline)) inline void pack_transposed(int64_t R, int64_t C,
     int64_t c0 = 0;
     for (; c0 + 8 <= C; c0 += 8) {
       vf8 x[8];
-      for (int i = 0; i < 8; ++i) {
-        float row[8];
-        for (int e = 0; e < 8; ++e) row[e] = ld(rows[r0 + i][c0 + e]);
-        std::memcpy(&x[i], row, sizeof(vf8));
-      }
+      for (int i = 0; i < 8; ++i) x[i] = ld8(rows[r0 + i] + c0);
       vf8 p[8], q[8];
       for (int i = 0; i < 8; i += 2) {  // rows (i, i + 1) interleaved: even and odd columns
         p[i] = __builtin_shuffle(x[i], x[i + 1], ev);

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from generator.codegen.cpu import cpu_source
+from generator.codegen.cpu_tiles import SCHUNK
 from generator.spec import load_spec, parse_spec
 from generator.symbolic import derive
 
@@ -59,6 +60,20 @@ def test_selections_insert_only_candidates():
         assert "sel_has" not in body
 
 
+def test_selection_payloads_are_cleared_with_the_keys():
+    """Every row starts its selections empty, payloads included: an entry that a row leaves unfilled (a `where=`
+    that admits fewer than k elements) carries payload 0, as the CUDA kernels write, never the previous row's."""
+    for spec, sel, payload in (("specs/moe_route.yaml", "sel", "score"), ("tests/specs/sigmoid_topk_bias.yaml", "top", "score")):
+        src = cpu_source(derive(load_spec(ROOT / spec)), "x_cpu.h")
+        bodies = _row_loop_bodies(src)
+        assert bodies
+        for body in bodies:
+            clear = body.index(f"rf::sel_clear(st_{sel}_key, st_{sel}_idx, st_{sel}_ok,")
+            fill = body.index(f"std::fill(st_{sel}_pl_{payload}, st_{sel}_pl_{payload} + ")
+            assert fill > clear and body[fill:].split(";")[0].endswith(f"K_{sel}, 0.0f)")
+            assert body.index("for (int64_t c0 = 0;", clear) > fill  # before the pass's chunks
+
+
 def _masked_spec_source() -> str:
     """causal_attention with two integer element lets: jb (a division) enters the score, jm (a modulo) the mask."""
     text = (ROOT / "tests" / "specs" / "causal_attention.yaml").read_text()
@@ -86,6 +101,7 @@ def test_lets_read_by_the_mask_are_computed_before_it():
 def test_attention_contraction_and_weighted_sum_are_gemm_tiles():
     src = cpu_source(derive(load_spec(ROOT / "specs" / "fused_attention.yaml")), "fused_attention_cpu.h")
     assert "static void rows_case" not in src
+    C = SCHUNK  # the chunk of block kernels with a GEMM sum
     for body in _block_loop_bodies(src):
         # rows are walked with the K/V indices (b, and h through the GQA head g) outermost; runs share the key
         assert "walked in the order (b, h, i)" in body
@@ -94,14 +110,14 @@ def test_attention_contraction_and_weighted_sum_are_gemm_tiles():
         # q . k: each element's K row located once per chunk for the run, then packed by register transposes
         # ([c][element]) and one GEMM tile against the q rows (a short run: the rows widened and the NT tile)
         assert re.search(r"pk\d+_rows\[jj\] = &t_k\[", body)
-        assert re.search(r"rf::pack_transposed\(64, ex_c, pk\d+_rows, pk\d+, 64\);", body)
-        assert re.search(r"rf::gemm_tile_nt\(r1 - r0, 64, ex_c, browbuf\d+ \+ r0 \* ex_c, ex_c, pk\d+, ex_c", body)
-        assert re.search(r"rf::gemm_tile\(r1 - r0, 64, ex_c, browbuf\d+ \+ r0 \* ex_c, ex_c, pk\d+, 64, bdots\d+", body)
+        assert re.search(rf"rf::pack_transposed\({C}, ex_c, pk\d+_rows, pk\d+, {C}\);", body)
+        assert re.search(rf"rf::gemm_tile_nt\(r1 - r0, {C}, ex_c, browbuf\d+ \+ r0 \* ex_c, ex_c, pk\d+, ex_c", body)
+        assert re.search(rf"rf::gemm_tile\(r1 - r0, {C}, ex_c, browbuf\d+ \+ r0 \* ex_c, ex_c, pk\d+, {C}, bdots\d+", body)
         assert re.search(r"el_s\[jj\] = \(p_softmax_scale \* dots\d+\[jj\]\);", body)
         assert not re.search(r"float dot\d+ = 0.0f;", body)
         # o[d] += p_j v[j, d]: the weights per row (0 where not counted), then V packed once and one GEMM tile
         assert re.search(r"wts\d+\[jj\] = el_cnt\[jj\] \? v : 0.0f;", body)
-        assert re.search(r"rf::gemm_tile\(r1 - r0, nt, cn, bwts\d+ \+ r0 \* 64, 64, pk\d+, 256, bst_o", body)
+        assert re.search(rf"rf::gemm_tile\(r1 - r0, nt, cn, bwts\d+ \+ r0 \* {C}, {C}, pk\d+, 256, bst_o", body)
         # the correction is applied per row before the tile is folded in
         assert body.index("st_o[r] = st_o[r] * cr_o") < body.index("rf::gemm_tile(r1 - r0, nt, cn")
 

@@ -678,6 +678,8 @@ class _Kernel:
         if f.selection:
             size = " * ".join([f"ex_{n}" for n in f.free] or ["int64_t(1)"])
             self.emit(f"rf::sel_clear(st_{f.name}_key, st_{f.name}_idx, st_{f.name}_ok, ({size}) * K_{f.name});")
+            for p in f.payloads:  # an entry left unfilled carries 0, not the previous row's payload (as on CUDA)
+                self.emit(f"std::fill(st_{f.name}_pl_{p.name}, st_{f.name}_pl_{p.name} + ({size}) * K_{f.name}, 0.0f);")
             if self.pinned_value(f) is not None:
                 self.emit(f"std::fill(bar_{f.name}, bar_{f.name} + {size}, std::numeric_limits<int32_t>::min());")
             return

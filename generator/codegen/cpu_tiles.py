@@ -36,6 +36,7 @@ SHARE_ROWS = 32  # blocks smaller than this are not split in two per thread (blo
 NT_RUN = 32  # runs of at most this many rows take a contraction's rows unpacked, in the NT tile
 NTILE = 256  # columns of a free index per packed tile of a GEMM fold
 WCHUNK = 256  # the chunk of block kernels with an NT fold (block_chunk)
+SCHUNK = 128  # the chunk of block kernels with a GEMM sum (block_chunk)
 
 
 @dataclass
@@ -79,6 +80,8 @@ def block_chunk(k) -> int:
 
     if any(_nt_fold(k, g) for g in k.plan.folds.values()):
         return WCHUNK
+    if k.plan.sums:
+        return SCHUNK
     return CHUNK
 
 
