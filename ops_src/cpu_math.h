@@ -542,22 +542,25 @@ __attribute__((always_inline)) inline int32_t sel_okey(float v) {
 // these, in any order, leaves the selection as offering every element in turn would: an element with k better
 // ones in its chunk has k better ones in the row. The k best are found by k vectorised max/first-position scans
 // over int keys (sel_okey), which costs less than offering every element to the scalar insertion when k is small
-// beside the chunk. (Always inlined: a kernel's target clone then compiles it for its own instruction set.)
+// beside the chunk (16 k <= N: a router's k = 6 or 8 in chunks of 256; a sampler's k = 50 offers every element
+// above the last entry). (Always inlined: a kernel's target clone then compiles it for its own instruction set.)
 template <int N>
 __attribute__((always_inline)) inline int64_t sel_candidates(const float* key, const uint8_t* offered, int64_t n,
                                                              const float* keys, const uint8_t* ok, int64_t k,
                                                              int64_t* out) {
   constexpr int32_t kNone = std::numeric_limits<int32_t>::min();
   const int32_t floor = (k > 0 && ok[k - 1]) ? sel_okey(keys[k - 1]) : kNone;
+  // the scans cover the used elements rounded up to 16 (a short row in a long chunk: a router of 64 experts)
+  const int nr = n >= N ? N : static_cast<int>((n + 15) & ~int64_t{15});
   int32_t w[N];
   int32_t live = 0;
-  for (int j = 0; j < N; ++j) {
+  for (int j = 0; j < nr; ++j) {
     const int32_t v = j < n ? sel_okey(key[j]) : kNone;
     const bool e = j < n && offered[j] != 0 && v > floor;
     w[j] = e ? v : kNone;
     live += e;
   }
-  if (live <= k || 4 * k > N) {
+  if (live <= k || 16 * k > N) {
     int64_t c = 0;
     for (int j = 0; j < n; ++j) {
       out[c] = j;
@@ -567,9 +570,9 @@ __attribute__((always_inline)) inline int64_t sel_candidates(const float* key, c
   }
   for (int64_t r = 0; r < k; ++r) {
     int32_t best = kNone;
-    for (int j = 0; j < N; ++j) best = w[j] > best ? w[j] : best;
+    for (int j = 0; j < nr; ++j) best = w[j] > best ? w[j] : best;
     int32_t at = N;
-    for (int j = 0; j < N; ++j) at = std::min(at, w[j] == best ? int32_t(j) : int32_t(N));
+    for (int j = 0; j < nr; ++j) at = std::min(at, w[j] == best ? int32_t(j) : int32_t(N));
     out[r] = at;
     w[at] = kNone;
   }

@@ -20,7 +20,7 @@ namespace rf = redfuser::cpu;
 
 namespace {
 
-constexpr int kChunk = 64;
+constexpr int kChunk = 64;  // the chunk of the per-set offers (sel_offers' callers)
 
 struct Sel {
   std::vector<float> key;
@@ -68,11 +68,30 @@ bool same(const Sel& a, const Sel& b) {
   return true;
 }
 
+// a chunk size C's candidates against `all`, the selection offered every element in turn
+#define CANDIDATES(level, C)                                                                                                   \
+  {                                                                                                                            \
+    Sel cand(1, k);                                                                                                            \
+    for (int64_t c0 = 0; c0 < n; c0 += C) {                                                                                    \
+      const int64_t cn = n - c0 < C ? n - c0 : C;                                                                              \
+      float ck[C];                                                                                                             \
+      uint8_t co[C];                                                                                                           \
+      for (int64_t j = 0; j < C; ++j) { ck[j] = j < cn ? key[c0 + j] : 1e30f; co[j] = j < cn ? offered[c0 + j] : 1; }          \
+      int64_t out[C];                                                                                                          \
+      const int64_t nc = rf::sel_candidates<C>(ck, co, cn, cand.key.data(), cand.ok.data(), k, out);                           \
+      for (int64_t i = 0; i < nc; ++i) {                                                                                       \
+        if (out[i] < 0 || out[i] >= cn || !co[out[i]]) { ++bad; break; }                                                       \
+        cand.insert(0, k, ck[out[i]], c0 + out[i]);                                                                            \
+      }                                                                                                                        \
+    }                                                                                                                          \
+    if (!same(all, cand) && bad++ < 5) std::printf(#level " sel_candidates<" #C ">: n %ld k %ld differs\n", long(n), long(k)); \
+  }
+
 #define SELECTION_AT(level, attr)                                                                               \
   attr int check_##level() {                                                                                    \
     int bad = 0;                                                                                                \
     for (int trial = 0; trial < 4000; ++trial) {                                                                \
-      const int64_t n = 1 + rnd() % 300, k = 1 + rnd() % (trial % 3 == 0 ? 70 : 9);                           \
+      const int64_t n = 1 + rnd() % 600, k = 1 + rnd() % (trial % 3 == 0 ? 70 : 9);                           \
       const int64_t sets = 1 + rnd() % 5;                                                                       \
       std::vector<float> key(n);                                                                                \
       std::vector<uint8_t> offered(n);                                                                          \
@@ -84,22 +103,11 @@ bool same(const Sel& a, const Sel& b) {
         group[j] = static_cast<int64_t>(rnd() % (sets + 1)) - (rnd() % 16 == 0 ? 1 : 0); /* some out of range */ \
       }                                                                                                         \
       /* one set: every offered element in turn, against the chunk's candidates */                             \
-      Sel all(1, k), cand(1, k);                                                                                \
+      Sel all(1, k);                                                                                            \
       for (int64_t j = 0; j < n; ++j)                                                                           \
         if (offered[j]) all.insert(0, k, key[j], j);                                                            \
-      for (int64_t c0 = 0; c0 < n; c0 += kChunk) {                                                              \
-        const int64_t cn = n - c0 < kChunk ? n - c0 : kChunk;                                                   \
-        float ck[kChunk];                                                                                       \
-        uint8_t co[kChunk];                                                                                     \
-        for (int64_t j = 0; j < kChunk; ++j) { ck[j] = j < cn ? key[c0 + j] : 1e30f; co[j] = j < cn ? offered[c0 + j] : 1; } \
-        int64_t out[kChunk];                                                                                    \
-        const int64_t nc = rf::sel_candidates<kChunk>(ck, co, cn, cand.key.data(), cand.ok.data(), k, out);    \
-        for (int64_t i = 0; i < nc; ++i) {                                                                      \
-          if (out[i] < 0 || out[i] >= cn || !co[out[i]]) { ++bad; break; }                                      \
-          cand.insert(0, k, ck[out[i]], c0 + out[i]);                                                           \
-        }                                                                                                       \
-      }                                                                                                         \
-      if (!same(all, cand) && bad++ < 5) std::printf(#level " sel_candidates: n %ld k %ld differs\n", long(n), long(k)); \
+      CANDIDATES(level, 64)  /* the chunk of block kernels */                                                  \
+      CANDIDATES(level, 256) /* the chunk of row kernels with a selection (rounds for k <= 16) */             \
       /* per set: every offered element of its set in turn, against sel_offers with the kept bars */           \
       Sel allg(sets, k), offg(sets, k);                                                                         \
       std::vector<int32_t> bar(sets, std::numeric_limits<int32_t>::min());                                      \

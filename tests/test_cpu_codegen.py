@@ -52,7 +52,7 @@ def test_selections_insert_only_candidates():
     bodies = _row_loop_bodies(src)
     assert len(bodies) == 8
     for body in bodies:
-        assert re.search(r"rf::sel_candidates<64>\(elk_sel, elo_sel\d+, cn, st_sel_key \+ 0, st_sel_ok \+ 0, K_sel,", body)
+        assert re.search(r"rf::sel_candidates<256>\(elk_sel, elo_sel\d+, cn, st_sel_key \+ 0, st_sel_ok \+ 0, K_sel,", body)
         assert re.search(r"rf::sel_offers<16>\(elk_gtop \+ j0, el_ok \+ j0, els_gtop\d+ \+ j0, bar_gtop,", body)
         assert "bar_gtop[ix_g] = oo[K_gtop - 1] ? rf::sel_okey(kk[K_gtop - 1])" in body
         assert "rf::sel_mark(mem_gsel, ex_g, st_gsel_idx, st_gsel_ok, K_gsel);" in body

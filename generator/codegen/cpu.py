@@ -41,6 +41,7 @@ from .cpu_tiles import (
 
 CHUNK = 64
 ROW_CHUNK = 512  # the chunk of plain row kernels (see CpuKernel.chunk)
+SEL_CHUNK = 256  # the chunk of row kernels with a selection: rf::sel_candidates finds k candidates per chunk
 LANES = 16  # partial results of a branch-free reduction over a chunk (one vector of floats on AVX-512)
 UNROLL = 4  # elements of a chunk that share one pass over a contraction axis or a free axis
 ROW_TASK_ELEMENTS = 1 << 16  # elements of the streamed axis per task of a row kernel (its grain in rows follows)
@@ -229,7 +230,14 @@ class _Kernel:
         # chunks: the per-chunk work (the states' corrections, folding the vector lanes) is then a small part
         plain = self.plan is None and not any(f.selection or f.free for f in a.reductions) and \
             not any(let.expr.has(sp.Sum) for let in self.ir.element_lets if isinstance(let.expr, sp.Basic))
-        self.chunk = ROW_CHUNK if plain else (block_chunk(self) if self.plan is not None else CHUNK)
+        # (a selection's kernel: fewer, longer chunks offer fewer candidates to the scalar insertion, k per chunk,
+        # and scan for them once per row of up to 256 elements, a router's whole row)
+        if plain:
+            self.chunk = ROW_CHUNK
+        elif self.plan is not None:
+            self.chunk = block_chunk(self)
+        else:
+            self.chunk = SEL_CHUNK if any(f.selection for f in a.reductions) else CHUNK
         self.tcache = self.term_cache() if plain and len(a.passes) == 1 else None
         for f in a.reductions:
             for d in f.online_deps:
