@@ -132,6 +132,18 @@ def test_fp8_weight_decoded_once_per_tile():
         assert "__builtin_prefetch(&t_w[" in body and "c0 += 256" in body
         assert re.search(r"rf::gemm_tile_nt\(r1 - r0, nt, cn, bwts\d+ \+ r0 \* 256, 256, pk\d+, 256, bst_acc", body)
         assert body.count("rf::ld(t_w[") == 1  # read only where the tile is packed
+        # a run of more than NT_RUN rows transposes the decoded tile and takes the register-blocked tile instead
+        long = re.search(r"if \(r1 - r0 > 32\) \{\s*(//[^\n]*\n\s*)*rf::pack_transposed\(nt, cn, (pk\d+)_rows, (pk\d+)t, 64\);"
+                         r"\s*rf::gemm_tile\(r1 - r0, nt, cn, bwts\d+ \+ r0 \* 256, 256, pk\d+t, 64, bst_acc", body)
+        assert long and long.group(2) == long.group(3)
+        assert long.start() < body.index("rf::gemm_tile_nt(")
+    # the weight is decoded once per block, so the blocks are as large as they may be (up to 128 rows) and threads
+    # beyond the blocks share out columns; attention (whose tasks of a column range would repeat q.k) keeps two
+    # blocks per thread where there are several threads, for balance
+    assert src.count("const int64_t rb_n = std::max<int64_t>(1, std::min<int64_t>(128, A.rows));") == len(_block_loop_bodies(src))
+    att = cpu_source(derive(load_spec(ROOT / "specs" / "fused_attention.yaml")), "fused_attention_cpu.h")
+    assert "const int64_t half = nthr == 1 ? A.rows : (A.rows + 2 * nthr - 1) / (2 * nthr);" in att
+    assert "std::min<int64_t>(128, half >= 32 ? half : (A.rows + nthr - 1) / nthr)" in att
 
 
 def test_masked_spec_keeps_per_element_order():

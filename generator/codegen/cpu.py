@@ -1550,7 +1550,8 @@ def cpu_source(op: OpAnalysis, header_name: str) -> str:
         targs = f"<{', '.join(template)}>" if template else ""
         if kernels[n].plan is not None:
             cols = kernels[n].cols
-            body = block_dispatch(f"blocks_case{n}{targs}", _args_expr(kernels[n], a.ir.extents[cols]) if cols else None)
+            body = block_dispatch(f"blocks_case{n}{targs}", _args_expr(kernels[n], a.ir.extents[cols]) if cols else None,
+                                  folds_only=not kernels[n].plan.sums)
         else:
             body = (f"redfuser::parallel_rows(A.rows, grain, [&](int64_t b, int64_t e) {{ rows_case{n}{targs}(A, b, e); "
                     "});")

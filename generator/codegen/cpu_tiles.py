@@ -246,6 +246,10 @@ def block_storage(k) -> None:
         k.emit(f"float* b{g.wbuf} = b{g.wbuf}_v.data();")
         if _nt_fold(k, g):
             k.emit(f"std::vector<float> {g.pack}_v({ch * _ntile(k)});  // the streamed factor, [{g.free}][element]")
+            k.emit(f"std::vector<float> {g.pack}t_v({ch * _ntile(k)});  // the same, [element][{g.free}] (long runs)")
+            k.emit(f"float* {g.pack}t = {g.pack}t_v.data();")
+            k.emit(f"const float* {g.pack}_rows[{_ntile(k)}];")
+            k.emit(f"for (int64_t x = 0; x < {_ntile(k)}; ++x) {g.pack}_rows[x] = {g.pack}_v.data() + x * {ch};")
         else:
             k.emit(f"std::vector<float> {g.pack}_v({ch * NTILE});  // the streamed factor, [element][{g.free}]")
         k.emit(f"float* {g.pack} = {g.pack}_v.data();")
@@ -632,12 +636,13 @@ def _pack_fold(k, g: GemmFold, f) -> None:
     k.end()
 
 
-def _tile_or_counted(k, g: GemmFold, tile: str, packed: str) -> None:
-    """The GEMM tile call where the packed tile is finite, else the fold element by element over counted elements
-    only (packed: the packed value of element jj and column x). Leaves the else branch's row loop open."""
+def _tile_or_counted(k, g: GemmFold, tile: str | list[str], packed: str) -> None:
+    """The GEMM tile call (or lines) where the packed tile is finite, else the fold element by element over counted
+    elements only (packed: the packed value of element jj and column x). Leaves the else branch's row loop open."""
     ch = k.chunk
     k.block("if (!bad)")
-    k.emit(tile)
+    for line in [tile] if isinstance(tile, str) else tile:
+        k.emit(line)
     k.end("} else {")
     k.ind += 1
     k.block("for (int64_t q = r0; q < r1; ++q)")
@@ -714,8 +719,15 @@ def _pack_fold_nt(k, g: GemmFold) -> None:
     k.emit("bad |= rf::is_finite_bits(v) ? 0u : 1u;")
     k.end()
     k.end()
-    _tile_or_counted(k, g, f"rf::gemm_tile_nt(r1 - r0, nt, cn, b{g.wbuf} + r0 * {ch}, {ch}, {g.pack}, {ch}, "
-                     f"bst_{g.name} + r0 * szf + n0, szf, true);", f"{g.pack}[x * {ch} + jj]")
+    acc, wts = f"bst_{g.name} + r0 * szf + n0, szf, true);", f"b{g.wbuf} + r0 * {ch}, {ch}"
+    _tile_or_counted(k, g, [f"if (r1 - r0 > {NT_RUN}) {{",
+                            f"  // a long run: the tile transposed to [element][{n}] (8 x 8 register transposes) for the",
+                            "  // register-blocked tile, which has no lane sums (they cost more than the transpose at many rows)",
+                            f"  rf::pack_transposed(nt, cn, {g.pack}_rows, {g.pack}t, {tile});",
+                            f"  rf::gemm_tile(r1 - r0, nt, cn, {wts}, {g.pack}t, {tile}, {acc}",
+                            "} else {",
+                            f"  rf::gemm_tile_nt(r1 - r0, nt, cn, {wts}, {g.pack}, {ch}, {acc}",
+                            "}"], f"{g.pack}[x * {ch} + jj]")
     k.end()
     k.end()
     k.end()
@@ -723,16 +735,20 @@ def _pack_fold_nt(k, g: GemmFold) -> None:
     k.end()
 
 
-def block_dispatch(call: str, cols: str | None = None) -> str:
-    """run_cpu's body for a block kernel: blocks of up to RBLK rows, two blocks per thread (the second evens out
-    uneven blocks: causal rows), but one per thread where two would be under SHARE_ROWS rows: every block packs
-    (or decodes) the streamed operand once, so halving small blocks doubles that work (a quantised GEMM at 16 rows).
+def block_dispatch(call: str, cols: str | None = None, folds_only: bool = False) -> str:
+    """run_cpu's body for a block kernel: blocks of up to RBLK rows, two blocks per thread where there are several
+    threads (the second evens out uneven blocks: causal rows), but one per thread where two would be under
+    SHARE_ROWS rows: every block packs (or decodes) the streamed operand once, so halving small blocks doubles that
+    work (a quantised GEMM at 16 rows; at one thread, 128 rows decoded the fp8 weight twice for no balance).
     With `cols` (the extent of the split_axis index), fewer blocks than threads share out their columns, at least
-    COLS_MIN per task: ncol tasks per block."""
+    COLS_MIN per task: ncol tasks per block. `folds_only` (a kernel whose only tiles are folds over those columns:
+    a task of a column range repeats only the rows' scalar states, not a contraction): blocks of up to RBLK rows
+    whatever the threads, which then share out columns (each weight element decoded once, not once per block)."""
+    rows = f"std::min<int64_t>({RBLK}, A.rows)" if folds_only and cols is not None else (
+        f"std::min<int64_t>({RBLK}, half >= {SHARE_ROWS} ? half : (A.rows + nthr - 1) / nthr)")
     head = ("(void)grain; const int64_t nthr = std::max<int64_t>(1, static_cast<int64_t>(torch::stable::get_num_threads())); "
-            "const int64_t half = (A.rows + 2 * nthr - 1) / (2 * nthr); "
-            f"const int64_t rb_n = std::max<int64_t>(1, std::min<int64_t>({RBLK}, half >= {SHARE_ROWS} ? half : "
-            "(A.rows + nthr - 1) / nthr)); "
+            "const int64_t half = nthr == 1 ? A.rows : (A.rows + 2 * nthr - 1) / (2 * nthr); (void)half; "
+            f"const int64_t rb_n = std::max<int64_t>(1, {rows}); "
             "const int64_t nblk = (A.rows + rb_n - 1) / rb_n; ")
     if cols is None:
         return head + f"redfuser::parallel_rows(nblk, 1, [&](int64_t b, int64_t e) {{ {call}(A, b, e, rb_n); }});"
