@@ -424,12 +424,6 @@ inline void gemm_tile_nt(REDFUSER_GEMM_ARGS) { gemm_nt_rows<vf4, 2, 4>(M, N, K, 
 #endif
 #undef REDFUSER_GEMM_ARGS
 
-// dst[c * ldd + r] = rows[r][c] widened to float, for r < R, c < C: a streamed operand read along its contraction
-// index (K[j, c] for scores = Q x K^T, rows anywhere: pages of a paged cache) packed as the [c][j] tile gemm_tile
-// reads. 8 x 8 blocks are transposed in registers by three rounds of two-source shuffles (pairs of rows, pairs of
-// pairs, halves), 24 shuffles per 64 elements, with contiguous loads and stores; the element-wise pack stored every
-// element to its own cache line (14 % of fused_attention's fp32 time at S 1024, 75 % of mla_decode's). Remainder
-// rows and columns element by element.
 // eight consecutive elements widened to float, as one vector: one 32-byte load for float, one 16-byte load and a
 // shift for bf16 (written element by element, GCC assembled pack_transposed's float rows from scalar inserts)
 template <class T>
@@ -455,6 +449,12 @@ __attribute__((always_inline)) inline vf8 ld8<bf16_t>(const bf16_t* p) {
   return v;
 }
 
+// dst[c * ldd + r] = rows[r][c] widened to float, for r < R, c < C: a streamed operand read along its contraction
+// index (K[j, c] for scores = Q x K^T, rows anywhere: pages of a paged cache) packed as the [c][j] tile gemm_tile
+// reads. 8 x 8 blocks are transposed in registers by three rounds of two-source shuffles (pairs of rows, pairs of
+// pairs, halves), 24 shuffles per 64 elements, with contiguous loads and stores; the element-wise pack stored every
+// element to its own cache line (14 % of fused_attention's fp32 time at S 1024, 75 % of mla_decode's). Remainder
+// rows and columns element by element.
 template <class T>
 __attribute__((always_inline)) inline void pack_transposed(int64_t R, int64_t C, const T* const* rows,
                                                            float* __restrict__ dst, int64_t ldd) {
