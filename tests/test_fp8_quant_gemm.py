@@ -134,3 +134,24 @@ def test_cpu_columns_shared_across_threads(threads):
             judge(one[keep], x[keep], w, ws, b)
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_nan_weight_in_long_and_short_runs(threads):
+    """A NaN weight (e4m3 0x7F) makes its tile fall back to the element-wise fold, in a block of more than 32 rows
+    (the transposed register-blocked tile) as in a short one (the NT tile): its output column is NaN in every row,
+    every other column matches the reference, and both thread counts give the same result."""
+    gen = torch.Generator().manual_seed(16)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for M in (100, 20):
+            x, w, ws, _ = inputs(M, 96, 512, torch.bfloat16, "cpu", gen)
+            w.view(torch.uint8)[37, 300] = 0x7F
+            out = torch.ops.redfuser.fp8_quant_gemm(x, w, ws, None, torch.float32)
+            assert torch.isnan(out[:, 37]).all()
+            rest = [n for n in range(96) if n != 37]
+            assert torch.isfinite(out[:, rest]).all()
+            judge(out[:, rest], x, w[rest], ws[rest], None)
+    finally:
+        torch.set_num_threads(old)
