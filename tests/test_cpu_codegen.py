@@ -38,10 +38,40 @@ def test_moe_route_group_of_expert_is_tabled_once_per_call():
 
 def test_selection_keys_computed_in_a_branch_free_loop():
     src = cpu_source(derive(load_spec(ROOT / "specs" / "moe_route.yaml")), "moe_route_cpu.h")
-    case0 = _row_loop_bodies(src)[0]  # softmax, no bias: the key is an expression of the element
-    assert re.search(r"elk_sel\[jj\] = \(rf::exp\(", case0)
-    assert "const float key = elk_sel[jj];" in case0
-    assert "pp[pos] = key;" in case0  # the score payload is the key itself: not recomputed
+    case1 = _row_loop_bodies(src)[1]  # softmax with a bias: the key is an expression of the element
+    assert re.search(r"elk_sel\[jj\] = \(\(rf::exp\(.*\) \+ rf::ld\(t_bias\[", case1)
+    assert "const float key = elk_sel[jj];" in case1
+    assert "byv_sel" not in case1  # bias[e] + score is not increasing in x: selected on the key
+
+
+def test_softmax_router_selects_on_the_logit():
+    """Softmax without a bias (the key exp(x - m) / z, strictly increasing in x): where m is finite and 1 / z finite
+    and positive, the row's chunk keys are the logits themselves and the score is computed only for an entry that
+    enters the selection; elsewhere (a row of NaN or inf) the keys as before."""
+    src = cpu_source(derive(load_spec(ROOT / "specs" / "moe_route.yaml")), "moe_route_cpu.h")
+    case0 = _row_loop_bodies(src)[0]
+    assert ("const bool byv_sel = rf::is_finite_bits((-1.0f * st_m_safe)) && rf::is_finite_bits((1.0f / st_z)) && "
+            "((1.0f / st_z)) > 0.0f;") in case0
+    assert "if (byv_sel) for (int64_t jj = 0; jj < cn; ++jj) elk_sel[jj] = el_x[jj];" in case0
+    assert re.search(r"else for \(int64_t jj = 0; jj < cn; \+\+jj\) \{\n.*\n.*\n\s*elk_sel\[jj\] = \(rf::exp\(", case0)
+    assert "pp[pos] = (byv_sel ? (rf::exp((el_x[jj] + (-1.0f * st_m_safe))) / (st_z)) : key);" in case0
+
+
+def test_group_pass_is_skipped_when_every_group_is_kept():
+    """The router's per-group pass feeds only the group selection, read only as a membership table: with at most
+    topk_group groups (n_group = 1) every group is kept whatever its score, so a row marks them all and skips the
+    pass. Every moe_route kernel has the branch; nothing else in the shipped specs qualifies."""
+    for path in sorted((ROOT / "specs").glob("*.yaml")):
+        src = cpu_source(derive(load_spec(path)), "x_cpu.h")
+        bodies = _row_loop_bodies(src)
+        if path.stem != "moe_route":
+            assert "std::memset(mem_" not in src, path.stem
+            continue
+        for body in bodies:
+            head = "if (ex_g <= K_gsel) {\n      std::memset(mem_gsel, 1, static_cast<size_t>(ex_g));\n    } else {"
+            assert head in body
+            rest = body.split(head, 1)[1]
+            assert rest.index("rf::sel_mark(mem_gsel") < rest.index("// ---- pass")  # the pass in the else branch
 
 
 def test_selections_insert_only_candidates():

@@ -248,3 +248,57 @@ def test_check_command_passes_on_shipped_specs():
                        check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("ok ") == len(SHIPPED)
+
+
+# --------------------------------------------------------------------------------------------- order rules
+def _order_symbols():
+    import sympy as sp
+
+    from generator.symbolic.expr import sigmoid
+
+    x, m, z, c, b = sp.symbols("x m z c b", real=True)
+    return sp, sigmoid, x, m, z, c, b
+
+
+def test_increasing_in_proves_the_keys_a_selection_may_order_by_value():
+    """The structural rule behind selecting a softmax router on its logits: what it proves, under which conditions,
+    and what it refuses (a term that also varies per element, a decreasing or non-monotone one, an unknown symbol)."""
+    from generator.symbolic.order import Condition, increasing_in
+
+    sp, sigmoid, x, m, z, c, b = _order_symbols()
+    const = frozenset({m, z, c})
+    assert increasing_in(sp.exp(x - m) / z, x, const) == [Condition(-m, False), Condition(1 / z, True)]
+    assert increasing_in(sigmoid(x), x, const) == []
+    assert increasing_in(2 * x + 3, x, const) == []
+    assert increasing_in(c * sp.exp(x), x, const) == [Condition(c, True)]
+    bias = sp.IndexedBase("bias")[sp.Symbol("e", integer=True)]
+    for refused in (sp.exp(x - m) / z + bias,  # a tensor read: varies per element
+                    x + b,  # b is not known constant
+                    -x, sp.exp(-x), x * x, sp.cos(x), x + sp.oo, 0 * x + m):
+        assert increasing_in(refused, x, const) is None, refused
+
+
+def test_increasing_in_holds_on_random_numbers():
+    """Where the conditions hold, x1 < x2 gives f(x1) < f(x2) (float64, moderate values): every proved expression,
+    on constants drawn at random, including values near the conditions' edges."""
+    from generator.symbolic.order import increasing_in
+
+    sp, sigmoid, x, m, z, c, _ = _order_symbols()
+    const = frozenset({m, z, c})
+    rng = random.Random(7)
+    exprs = [sp.exp(x - m) / z, sigmoid(x), 2 * x + 3, c * sp.exp(x), c * sigmoid(x - m) + z, sp.exp(c * x) / z]
+    for e in exprs:
+        conds = increasing_in(e, x, const)
+        assert conds is not None, e
+        f = sp.lambdify([x, m, z, c], e.rewrite(sp.exp), "math")
+        checked = 0
+        while checked < 200:
+            vals = {m: rng.uniform(-5, 5), z: rng.choice([1e-3, 1.0, 7.5, rng.uniform(-2, 2)]),
+                    c: rng.choice([1e-3, 2.0, rng.uniform(-2, 2)])}
+            if not all((cv := float(cd.expr.subs(vals))) == cv and abs(cv) != float("inf") and (not cd.positive or cv > 0)
+                       for cd in conds):
+                continue
+            x1 = rng.uniform(-6, 6)
+            x2 = x1 + rng.choice([1e-6, 1e-3, 0.5, 3.0])
+            assert f(x1, vals[m], vals[z], vals[c]) < f(x2, vals[m], vals[z], vals[c]), (e, vals, x1, x2)
+            checked += 1

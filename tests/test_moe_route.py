@@ -103,6 +103,20 @@ def test_ties_go_to_the_lower_expert_id(device):
     assert ids.cpu().tolist() == [[40, 41, 50, 0, 1]] * 3
 
 
+def test_softmax_scores_that_round_to_zero_keep_the_logit_order():
+    """exp(x - m) / z is strictly increasing in x, so the softmax router selects on x: experts whose float32 score
+    underflows to 0 are still ranked by their logits, as the float64 reference ranks them (a selection on the
+    rounded scores would tie them and take the lower ids). CPU only: the CUDA kernels select on the rounded score."""
+    lg = torch.full((2, 16), -200.0)
+    lg[:, :4] = torch.tensor([0.0, -120.0, -110.0, -105.0])
+    lg[1] = lg[1].flip(0)
+    w, ids = torch.ops.redfuser.moe_route(lg, 4)
+    _, rids = ref.moe_route(lg, 4)
+    assert rids.tolist() == [[0, 3, 2, 1], [15, 12, 13, 14]]
+    assert torch.equal(ids.long(), rids)
+    assert w[:, 0].tolist() == [1.0, 1.0] and (w[:, 1:] == 0).all()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])

@@ -27,6 +27,7 @@ from ..symbolic.expr import (
     isin,
 )
 from ..symbolic.forms import Analysis, OpAnalysis, ReductionForm, element_atoms
+from ..symbolic.order import Condition, increasing_in
 from .cpp import CppPrinter, float_literal
 from .cpu_tiles import (
     RBLK,
@@ -225,6 +226,9 @@ class _Kernel:
         self.key_arrays = {f.name for f in a.reductions if f.stage == "stream" and self.precomputed_key(f)}
         self.members = self.member_tables()
         self.plan = block_plan(self)
+        # selections made on an element value their key increases with (by_value), under a per-row condition
+        self.byv = {f.name: bv for f in a.reductions if (bv := self.by_value(f)) is not None}
+        self.skips = self.skippable_passes()
         self.cols = split_axis(self) if self.plan is not None else None  # columns split across tasks (cpu_tiles)
         # rows of plain element math (no block plan, selection, carried index or contraction) stream in longer
         # chunks: the per-chunk work (the states' corrections, folding the vector lanes) is then a small part
@@ -538,6 +542,80 @@ class _Kernel:
         return {f.name for f in self.a.reductions
                 if f.name in used and f.selection and f.stage == "epilogue" and not f.free}
 
+    def kernel_exprs(self) -> list[sp.Basic]:
+        """Every expression the kernel evaluates: reduction terms, wheres and payloads, element and row lets, outputs
+        (a state let is part of the terms that read it)."""
+        exprs = [x for f in self.a.reductions for x in (f.term, f.where, *(p.term for p in f.payloads))]
+        exprs += [x.expr for x in self.ir.lets if x.kind != "state"] + [o.value for o in self.a.outputs]
+        return [x for x in exprs if isinstance(x, sp.Basic)]
+
+    def reads(self, e: sp.Basic, name: str) -> bool:
+        """Whether e reads reduction `name`: its state symbols or a field of its selection."""
+        mine = set(self.a.symbols.get(name, {}).values())
+        return bool(e.free_symbols & mine) or any(str(b.label).split(".", 1)[0] == name
+                                                  for b in e.atoms(sp.IndexedBase))
+
+    def skippable_passes(self) -> dict[int, list[ReductionForm]]:
+        """Passes a row may skip: pass number -> the selections S that make it skippable. S is a resident selection
+        over an index a, with no where, read only through its membership table (isin): when a's extent is at most
+        S's k (known per call: n_group <= topk_group, a router without groups) it keeps every index of a whatever
+        the keys (each is offered once and every offered one fits, a NaN key too), so its table is all ones. A pass
+        whose stream reductions are selections read by nothing but the keys of such S, and whose resident
+        reductions are such S, is then skipped: the router's per-group pass when there is one group."""
+        full = []
+        for f in self.a.reductions:
+            if f.name not in self.members or f.where not in (sp.true, True):
+                continue
+            rest = [e.xreplace({m: sp.true for m in e.atoms(isin)}) for e in self.kernel_exprs() if e is not f.term]
+            if not any(self.reads(e, f.name) for e in rest):
+                full.append(f)
+        skips = {}
+        if self.plan is not None:
+            return skips
+        for p in self.a.passes:
+            stream = [f for f in self.a.reductions if f.stage == "stream" and f.pass_no == p.number]
+            resident = [f for f in self.a.reductions if f.stage == "epilogue" and f.pass_no == p.number]
+            if not stream or not resident or any(f not in full for f in resident) or \
+                    any(not f.selection for f in stream):
+                continue
+            others = [e for e in self.kernel_exprs() if all(e is not s.term for s in resident)]
+            if not any(self.reads(e, f.name) for f in stream for e in others):
+                skips[p.number] = resident
+        return skips
+
+    def value_read(self, name: str) -> bool:
+        """Whether any expression of the kernel (terms, wheres, payloads, lets, outputs) reads selection name's keys."""
+        return any(str(b.label) == f"{name}.value" for x in self.kernel_exprs() for b in x.atoms(sp.IndexedBase))
+
+    def by_value(self, f: ReductionForm) -> tuple[sp.Symbol, list[Condition]] | None:
+        """For a candidate selection of a row kernel whose keys nothing reads (only its indices and payloads): an
+        element value v its key strictly increases with (symbolic.order), and the conditions on the row's constants
+        for it. Where they hold the row is selected on v (the same order; equal v, equal keys) and the key computed
+        only for the entries it keeps (a softmax router: no exp per element in the selection pass)."""
+        if (self.plan is not None or f.stage != "stream" or f.free or f.name not in self.key_arrays
+                or isinstance(f.term, sp.Symbol) or self.value_read(f.name)):
+            return None
+        ir = self.ir
+        constants = {*ir.scalars.values(), *ir.axes.values(), *(x.symbol for x in ir.lets if x.kind == "row")}
+        for g in self.a.reductions:  # the states complete before this pass
+            if g.pass_no < f.pass_no and not g.free and not g.selection:
+                constants |= {s for role, s in self.a.symbols.get(g.name, {}).items() if role in ("cur", "safe")}
+        for let in ir.element_lets:
+            if let.symbol in f.term.free_symbols and not let.symbol.is_integer:
+                conds = increasing_in(f.term, let.symbol, frozenset(constants))
+                if conds is not None:
+                    return let.symbol, conds
+        return None
+
+    def by_value_flag(self, f: ReductionForm) -> None:
+        """`const bool byv_<name>`: this row's constants meet the conditions of the selection's by_value order."""
+        tests = []
+        for c in self.byv[f.name][1]:
+            v = self.pr.flt(c.expr)
+            tests.append(f"rf::is_finite_bits({v})" + (f" && ({v}) > 0.0f" if c.positive else ""))
+        self.emit(f"const bool byv_{f.name} = {' && '.join(tests) or 'true'};  // selected on "
+                  f"{self.byv[f.name][0]}, the key increasing with it")
+
     def precomputed_key(self, f: ReductionForm) -> bool:
         """A selection whose key does not depend on its free indices or on integer values gets its chunk's keys
         in a branch-free (vectorisable) loop before the insertions; the insertion then reads them. A masked
@@ -635,8 +713,25 @@ class _Kernel:
         a = self.a
         forms = [f for f in a.reductions if f.stage == "stream" and f.pass_no == number]
         self.emit(f"// ---- pass {number}: {', '.join(f.name for f in forms) or '-'}")
+        full = self.skips.get(number)
+        if full:  # every index kept whatever the keys (skippable_passes): the pass is not needed
+            over = {f.name: self.ir.reduction(f.name).over for f in full}
+            self.block(f"if ({' && '.join(f'ex_{over[f.name]} <= K_{f.name}' for f in full)})")
+            for f in full:
+                self.emit(f"std::memset(mem_{f.name}, 1, static_cast<size_t>(ex_{over[f.name]}));")
+            self.end("} else {")
+            self.ind += 1
+            self.pass_body(number, forms)
+            self.end()
+            return
+        self.pass_body(number, forms)
+
+    def pass_body(self, number: int, forms: list[ReductionForm]) -> None:
+        a = self.a
         for f in forms:
             self.init_state(f)
+            if f.name in self.byv:
+                self.by_value_flag(f)
         if forms:
             self.block(f"for (int64_t c0 = 0; c0 < ex_{self.ir.over}; c0 += {self.chunk})")
             self.emit(f"const int64_t cn = std::min<int64_t>({self.chunk}, ex_{self.ir.over} - c0);")
@@ -1009,7 +1104,7 @@ class _Kernel:
             self.end()
             self.local = {}
             return
-        keyed = [f for f in forms if f.name in self.key_arrays]
+        keyed = [f for f in forms if f.name in self.key_arrays and f.name not in self.byv]
         if keyed:
             self.block("for (int64_t jj = 0; jj < cn; ++jj)")
             self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
@@ -1017,6 +1112,15 @@ class _Kernel:
             for f in keyed:
                 self.emit(f"elk_{f.name}[jj] = {self.pr.flt(f.term)};")
             self.end()
+        for f in forms:
+            if f.name in self.byv:  # the element value as the key where the row allows it, else the key
+                self.emit(f"if (byv_{f.name}) for (int64_t jj = 0; jj < cn; ++jj) "
+                          f"elk_{f.name}[jj] = {self.pr.flt(self.byv[f.name][0])};")
+                self.block("else for (int64_t jj = 0; jj < cn; ++jj)")
+                self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
+                self.emit(f"(void)ix_{ir.over};")
+                self.emit(f"elk_{f.name}[jj] = {self.pr.flt(f.term)};")
+                self.end()
         if self.plan is not None and len(forms) == 1 and forms[0].name in self.plan.folds:
             emit_fold_weights(self, self.plan.folds[forms[0].name])
             return
@@ -1281,6 +1385,8 @@ class _Kernel:
         for p in f.payloads:
             arr = f"st_{f.name}_pl_{p.name} + {off}"
             value = "key" if p.term == f.term else self.pr.flt(p.term)
+            if value == "key" and f.name in self.byv:  # the key itself where the entries hold element values
+                value = f"(byv_{f.name} ? {self.pr.flt(p.term)} : key)"
             self.emit(f"{{ float* pp = {arr}; rf::sel_shift(pp, pos, K_{f.name}); pp[pos] = {value}; }}")
         if pinned and self.pinned_value(f) is not None:  # the set's bar follows its last entry
             self.emit(f"bar_{f.name}[ix_{pinned[0]}] = oo[K_{f.name} - 1] ? rf::sel_okey(kk[K_{f.name} - 1]) : "

@@ -381,4 +381,22 @@ MUTANTS: list[Mutant] = [
       "each task of a column-split row stores every column of the output, the others' from states it never "
       "folded: columns race to values without the weights",
       ("tests/test_fp8_quant_gemm.py", "tests/test_mla_decode.py", "-k", "threads"), ),
+    M("order-negative-coefficient", "generator/symbolic/order.py",
+      "            return c if (coef.is_positive and coef.is_finite) else None\n",
+      "            return c if coef.is_finite else None\n",
+      "the order rule takes a constant times an increasing term as increasing whatever the constant's sign: a key "
+      "-x (or -2 exp(x)) would be selected on x, the order reversed",
+      ("tests/test_engine.py", "-k", "increasing_in"), cheap=True),
+    M("cpu-by-value-payload-is-the-value", "generator/codegen/cpu.py",
+      '                value = f"(byv_{f.name} ? {self.pr.flt(p.term)} : key)"\n',
+      '                value = "key"\n',
+      "a selection made on the logit stores its entry's logit as the score payload it carries (the key was the "
+      "score before): a softmax router's weights are logits",
+      ("tests/test_moe_route.py", *NOSLOW), ),
+    M("cpu-skip-pass-when-groups-cut", "generator/codegen/cpu.py",
+      "f'ex_{over[f.name]} <= K_{f.name}'",
+      "f'ex_{over[f.name]} <= 2 * K_{f.name}'",
+      "a row skips the per-group pass and keeps every group while n_group is up to twice topk_group: DeepSeek-V3's "
+      "8 groups, 4 kept, route to experts of the cut groups",
+      ("tests/test_moe_route.py", *NOSLOW), ),
 ]
