@@ -171,6 +171,7 @@ def test_fp8_weight_decoded_once_per_tile():
     # beyond the blocks share out columns; attention (whose tasks of a column range would repeat q.k) keeps two
     # blocks per thread where there are several threads, for balance
     assert src.count("const int64_t rb_n = std::max<int64_t>(1, std::min<int64_t>(128, A.rows));") == len(_block_loop_bodies(src))
+    assert "const int64_t half" not in src  # no two-blocks-per-thread size to work out
     att = cpu_source(derive(load_spec(ROOT / "specs" / "fused_attention.yaml")), "fused_attention_cpu.h")
     assert "const int64_t half = nthr == 1 ? A.rows : (A.rows + 2 * nthr - 1) / (2 * nthr);" in att
     assert "std::min<int64_t>(128, half >= 32 ? half : (A.rows + nthr - 1) / nthr)" in att

@@ -246,13 +246,14 @@ def block_storage(k) -> None:
         k.emit(f"float* b{g.wbuf} = b{g.wbuf}_v.data();")
         if _nt_fold(k, g):
             k.emit(f"std::vector<float> {g.pack}_v({ch * _ntile(k)});  // the streamed factor, [{g.free}][element]")
+            k.emit(f"float* {g.pack} = {g.pack}_v.data();")
             k.emit(f"std::vector<float> {g.pack}t_v({ch * _ntile(k)});  // the same, [element][{g.free}] (long runs)")
             k.emit(f"float* {g.pack}t = {g.pack}t_v.data();")
             k.emit(f"const float* {g.pack}_rows[{_ntile(k)}];")
-            k.emit(f"for (int64_t x = 0; x < {_ntile(k)}; ++x) {g.pack}_rows[x] = {g.pack}_v.data() + x * {ch};")
+            k.emit(f"for (int64_t x = 0; x < {_ntile(k)}; ++x) {g.pack}_rows[x] = {g.pack} + x * {ch};")
         else:
             k.emit(f"std::vector<float> {g.pack}_v({ch * NTILE});  // the streamed factor, [element][{g.free}]")
-        k.emit(f"float* {g.pack} = {g.pack}_v.data();")
+            k.emit(f"float* {g.pack} = {g.pack}_v.data();")
     k.emit(f"uint8_t row_sees[{RBLK}];  // per row of the block: whether the mask shows it any element of the chunk")
     for n in ir.rows:
         k.emit(f"int64_t rix_{n}[{RBLK}];")
@@ -744,11 +745,12 @@ def block_dispatch(call: str, cols: str | None = None, folds_only: bool = False)
     COLS_MIN per task: ncol tasks per block. `folds_only` (a kernel whose only tiles are folds over those columns:
     a task of a column range repeats only the rows' scalar states, not a contraction): blocks of up to RBLK rows
     whatever the threads, which then share out columns (each weight element decoded once, not once per block)."""
-    rows = f"std::min<int64_t>({RBLK}, A.rows)" if folds_only and cols is not None else (
+    whole = folds_only and cols is not None  # blocks of RBLK rows: no two-per-thread split to work out
+    rows = f"std::min<int64_t>({RBLK}, A.rows)" if whole else (
         f"std::min<int64_t>({RBLK}, half >= {SHARE_ROWS} ? half : (A.rows + nthr - 1) / nthr)")
     head = ("(void)grain; const int64_t nthr = std::max<int64_t>(1, static_cast<int64_t>(torch::stable::get_num_threads())); "
-            "const int64_t half = nthr == 1 ? A.rows : (A.rows + 2 * nthr - 1) / (2 * nthr); (void)half; "
-            f"const int64_t rb_n = std::max<int64_t>(1, {rows}); "
+            + ("" if whole else "const int64_t half = nthr == 1 ? A.rows : (A.rows + 2 * nthr - 1) / (2 * nthr); ")
+            + f"const int64_t rb_n = std::max<int64_t>(1, {rows}); "
             "const int64_t nblk = (A.rows + rb_n - 1) / rb_n; ")
     if cols is None:
         return head + f"redfuser::parallel_rows(nblk, 1, [&](int64_t b, int64_t e) {{ {call}(A, b, e, rb_n); }});"
