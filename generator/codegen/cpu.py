@@ -1262,6 +1262,18 @@ class _Kernel:
         self.emit(f"const int64_t v = el_ok[jj] ? int64_t({self.pr(self.pinned_value(f))}) : int64_t(-1);")
         self.emit(f"{sets}[jj] = (v >= 0 && v < ex_{g}) ? static_cast<int32_t>(v) : -1;")
         self.end()
+        if not f.payloads:  # one entry per set: its best so far, kept without branches on the keys
+            self.block(f"if (K_{f.name} == 1) for (int64_t jj = 0; jj < cn; ++jj)")
+            self.emit(f"const int32_t s = {sets}[jj];")
+            self.emit("if (s < 0) continue;")
+            self.emit(f"const int32_t o = rf::sel_okey(elk_{f.name}[jj]);")
+            self.emit(f"const bool b = o > bar_{f.name}[s];  // elements come in index order: an equal key loses")
+            self.emit(f"st_{f.name}_key[s] = b ? elk_{f.name}[jj] : st_{f.name}_key[s];")
+            self.emit(f"st_{f.name}_idx[s] = b ? c0 + jj : st_{f.name}_idx[s];")
+            self.emit(f"st_{f.name}_ok[s] |= static_cast<uint8_t>(b);")
+            self.emit(f"bar_{f.name}[s] = b ? o : bar_{f.name}[s];")
+            self.end("} else {")
+            self.ind += 1
         self.block("for (int64_t j0 = 0; j0 < cn; j0 += 16)")
         offs, no = self.fresh("ofs"), self.fresh("no")
         self.emit(f"int64_t {offs}[16];")
@@ -1275,6 +1287,8 @@ class _Kernel:
         self.end("} while (false);")
         self.end()
         self.end()
+        if not f.payloads:
+            self.end()
 
     def candidate_selection(self, f: ReductionForm) -> bool:
         """A selection with one set of entries per row (no free index) and its chunk's keys in an array: only the

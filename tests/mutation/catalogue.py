@@ -399,4 +399,10 @@ MUTANTS: list[Mutant] = [
       "a row skips the per-group pass and keeps every group while n_group is up to twice topk_group: DeepSeek-V3's "
       "8 groups, 4 kept, route to experts of the cut groups",
       ("tests/test_moe_route.py", *NOSLOW), ),
+    M("cpu-group-best-bar-stale", "generator/codegen/cpu.py",
+      '            self.emit(f"bar_{f.name}[s] = b ? o : bar_{f.name}[s];")\n',
+      '            self.emit(f"bar_{f.name}[s] = bar_{f.name}[s];")\n',
+      "the one-entry-per-group path never raises a group's bar: every later element replaces the group's best, so "
+      "a group's score is its last expert's, and grouped routing keeps the wrong groups",
+      ("tests/test_moe_route.py", *NOSLOW), ),
 ]
