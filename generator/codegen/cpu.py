@@ -224,6 +224,7 @@ class _Kernel:
         self.native = native  # read in their own dtype (see native_inputs)
         self.tabled = self.row_invariant_lets()
         self.key_arrays = {f.name for f in a.reductions if f.stage == "stream" and self.precomputed_key(f)}
+        self.exprs = self.kernel_exprs()
         self.members = self.member_tables()
         self.plan = block_plan(self)
         # selections made on an element value their key increases with (by_value), under a per-row condition
@@ -536,18 +537,17 @@ class _Kernel:
     def member_tables(self) -> set[str]:
         """Selections over a resident index (no free index) that an isin reads: once complete, each row marks its
         selected indices in a table of the index's extent, and isin reads one byte instead of testing every entry."""
-        exprs = [x for f in self.a.reductions for x in (f.term, f.where, *(p.term for p in f.payloads))]
-        exprs += [let.expr for let in self.ir.lets]
-        used = {str(m.args[1].label).split(".", 1)[0] for x in exprs if isinstance(x, sp.Basic) for m in x.atoms(isin)}
+        used = {str(m.args[1].label).split(".", 1)[0] for _, x in self.exprs for m in x.atoms(isin)}
         return {f.name for f in self.a.reductions
                 if f.name in used and f.selection and f.stage == "epilogue" and not f.free}
 
-    def kernel_exprs(self) -> list[sp.Basic]:
-        """Every expression the kernel evaluates: reduction terms, wheres and payloads, element and row lets, outputs
-        (a state let is part of the terms that read it)."""
-        exprs = [x for f in self.a.reductions for x in (f.term, f.where, *(p.term for p in f.payloads))]
-        exprs += [x.expr for x in self.ir.lets if x.kind != "state"] + [o.value for o in self.a.outputs]
-        return [x for x in exprs if isinstance(x, sp.Basic)]
+    def kernel_exprs(self) -> list[tuple[str | None, sp.Basic]]:
+        """Every expression the kernel evaluates, with the reduction whose term it is (None for the others: wheres,
+        payloads, element and row lets, outputs; a state let is part of the terms that read it)."""
+        exprs = [(f.name, f.term) for f in self.a.reductions]
+        exprs += [(None, x) for f in self.a.reductions for x in (f.where, *(p.term for p in f.payloads))]
+        exprs += [(None, x.expr) for x in self.ir.lets if x.kind != "state"] + [(None, o.value) for o in self.a.outputs]
+        return [(owner, x) for owner, x in exprs if isinstance(x, sp.Basic)]
 
     def reads(self, e: sp.Basic, name: str) -> bool:
         """Whether e reads reduction `name`: its state symbols or a field of its selection."""
@@ -562,30 +562,30 @@ class _Kernel:
         the keys (each is offered once and every offered one fits, a NaN key too), so its table is all ones. A pass
         whose stream reductions are selections read by nothing but the keys of such S, and whose resident
         reductions are such S, is then skipped: the router's per-group pass when there is one group."""
+        skips: dict[int, list[ReductionForm]] = {}
+        if self.plan is not None:
+            return skips
         full = []
         for f in self.a.reductions:
             if f.name not in self.members or f.where not in (sp.true, True):
                 continue
-            rest = [e.xreplace({m: sp.true for m in e.atoms(isin)}) for e in self.kernel_exprs() if e is not f.term]
+            rest = [e.xreplace({m: sp.true for m in e.atoms(isin)}) for owner, e in self.exprs if owner != f.name]
             if not any(self.reads(e, f.name) for e in rest):
                 full.append(f)
-        skips = {}
-        if self.plan is not None:
-            return skips
         for p in self.a.passes:
             stream = [f for f in self.a.reductions if f.stage == "stream" and f.pass_no == p.number]
             resident = [f for f in self.a.reductions if f.stage == "epilogue" and f.pass_no == p.number]
             if not stream or not resident or any(f not in full for f in resident) or \
                     any(not f.selection for f in stream):
                 continue
-            others = [e for e in self.kernel_exprs() if all(e is not s.term for s in resident)]
+            others = [e for owner, e in self.exprs if all(owner != r.name for r in resident)]
             if not any(self.reads(e, f.name) for f in stream for e in others):
                 skips[p.number] = resident
         return skips
 
     def value_read(self, name: str) -> bool:
         """Whether any expression of the kernel (terms, wheres, payloads, lets, outputs) reads selection name's keys."""
-        return any(str(b.label) == f"{name}.value" for x in self.kernel_exprs() for b in x.atoms(sp.IndexedBase))
+        return any(str(b.label) == f"{name}.value" for _, x in self.exprs for b in x.atoms(sp.IndexedBase))
 
     def by_value(self, f: ReductionForm) -> tuple[sp.Symbol, list[Condition]] | None:
         """For a candidate selection of a row kernel whose keys nothing reads (only its indices and payloads): an
@@ -1106,21 +1106,12 @@ class _Kernel:
             return
         keyed = [f for f in forms if f.name in self.key_arrays and f.name not in self.byv]
         if keyed:
-            self.block("for (int64_t jj = 0; jj < cn; ++jj)")
-            self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
-            self.emit(f"(void)ix_{ir.over};")
-            for f in keyed:
-                self.emit(f"elk_{f.name}[jj] = {self.pr.flt(f.term)};")
-            self.end()
+            self.key_loop(keyed)
         for f in forms:
             if f.name in self.byv:  # the element value as the key where the row allows it, else the key
                 self.emit(f"if (byv_{f.name}) for (int64_t jj = 0; jj < cn; ++jj) "
                           f"elk_{f.name}[jj] = {self.pr.flt(self.byv[f.name][0])};")
-                self.block("else for (int64_t jj = 0; jj < cn; ++jj)")
-                self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
-                self.emit(f"(void)ix_{ir.over};")
-                self.emit(f"elk_{f.name}[jj] = {self.pr.flt(f.term)};")
-                self.end()
+                self.key_loop([f], "else ")
         if self.plan is not None and len(forms) == 1 and forms[0].name in self.plan.folds:
             emit_fold_weights(self, self.plan.folds[forms[0].name])
             return
@@ -1169,6 +1160,16 @@ class _Kernel:
         self.element_body(forms, "jb", "cn")
         self.end()
         self.local = {}
+
+    def key_loop(self, forms: list[ReductionForm], head: str = "") -> None:
+        """The chunk's keys of selections `forms` into their arrays, in one branch-free loop (after `head`)."""
+        ir = self.ir
+        self.block(f"{head}for (int64_t jj = 0; jj < cn; ++jj)")
+        self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
+        self.emit(f"(void)ix_{ir.over};")
+        for f in forms:
+            self.emit(f"elk_{f.name}[jj] = {self.pr.flt(f.term)};")
+        self.end()
 
     def branch_free(self, e: sp.Expr) -> bool:
         """Whether e may be evaluated for every element of a chunk, masked ones included: float arithmetic only, and
