@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "cpu_math.h"
@@ -91,6 +92,80 @@ PACK_AT(v3, __attribute__((target("arch=x86-64-v3"))))
 #endif
 PACK_AT(base, )
 
+// The bf16 pair tile (gemm_tile_bf16, where the CPU has AVX512_BF16) with its packs: the row factor rounded to
+// pairs (pairs_from_floats, odd lengths padded with 0), a fold's [element][n] tile interleaved from element rows
+// (pack_pairs_interleaved, its inf/NaN report) and a contraction's [c / 2][element] tile transposed from rows read as
+// words (pack_transposed<bf16x2_t>); against a float64 loop over the bf16-rounded operands, for every register
+// block and remainder. The products of bf16 values are exact in float, so the bound is the float tile's.
+static int check_bf16_pairs() {
+  int bad = 0;
+  uint32_t seed = 4242;
+  auto rnd = [&seed] { seed = seed * 1664525u + 1013904223u; return static_cast<float>(seed >> 8) / 16777216.0f - 0.5f; };
+  auto r16 = [](float v) { return redfuser::bf16_to_float(redfuser::float_to_bf16(v)); };
+  for (int M : {1, 3, 4, 5, 8, 9, 13, 17})
+    for (int N : {1, 5, 16, 17, 31, 32, 33, 65})
+      for (int K : {1, 2, 3, 16, 17, 64, 129})
+        for (bool acc : {false, true}) {
+          const int KP = (K + 1) / 2;
+          const int64_t lda = K + 3, ldw = KP + 2, ldc = N + 3, ldb = ((N + 31) / 32) * 32 + 32;
+          std::vector<float> A(M * lda), C0(M * ldc), C;
+          std::vector<rf::bf16_t> Bsrc((2 * KP) * (N + 7)), zero(N + 7);
+          for (auto& v : A) v = rnd();
+          for (auto& v : Bsrc) v.bits = redfuser::float_to_bf16(rnd());
+          for (auto& v : C0) v = rnd();
+          std::vector<const rf::bf16_t*> rows(2 * KP);
+          for (int k = 0; k < 2 * KP; ++k) rows[k] = k < K ? Bsrc.data() + (2 * KP - 1 - k) * (N + 7) : zero.data();
+          std::vector<uint32_t> A2(M * ldw), B2(KP * ldb);
+          rf::pairs_from_floats(M, K, A.data(), lda, A2.data(), ldw);
+          if (rf::pack_pairs_interleaved(KP, N, rows.data(), 2, B2.data(), ldb) && bad++ < 5)
+            std::printf("pack_pairs_interleaved reported inf/NaN in finite values\n");
+          C = C0;
+          rf::gemm_tile_bf16(M, N, KP, A2.data(), ldw, B2.data(), ldb, C.data(), ldc, acc);
+          for (int m = 0; m < M; ++m)
+            for (int n = 0; n < N; ++n) {
+              double r = acc ? C0[m * ldc + n] : 0.0;
+              for (int k = 0; k < K; ++k) r += double(r16(A[m * lda + k])) * rf::ld(rows[k][2 + n]);
+              if (std::fabs(C[m * ldc + n] - r) > 1e-5 * (K + 1) && bad++ < 5)
+                std::printf("gemm_tile_bf16 M%d N%d K%d acc%d [%d, %d]: %g, want %g\n", M, N, K, int(acc), m, n,
+                            C[m * ldc + n], r);
+            }
+          for (int m = 0; m < M; ++m)  // columns past N untouched
+            for (int64_t n = N; n < ldc; ++n)
+              if (C[m * ldc + n] != C0[m * ldc + n] && bad++ < 5) std::printf("gemm_tile_bf16 wrote past N\n");
+        }
+  // an inf or NaN anywhere in the interleaved tile is reported
+  for (uint16_t special : {uint16_t(0x7F80), uint16_t(0xFF80), uint16_t(0x7FC1)}) {
+    std::vector<rf::bf16_t> a(40), b(40);
+    for (auto& v : a) v.bits = redfuser::float_to_bf16(1.5f);
+    for (auto& v : b) v.bits = redfuser::float_to_bf16(-2.0f);
+    b[37].bits = special;
+    const rf::bf16_t* rows[2] = {a.data(), b.data()};
+    std::vector<uint32_t> d(64);
+    if (!rf::pack_pairs_interleaved(1, 38, rows, 0, d.data(), 64) && bad++ < 5)
+      std::printf("pack_pairs_interleaved missed 0x%x\n", unsigned(special));
+    if ((d[37] >> 16) != special || (d[36] & 0xFFFFu) != redfuser::float_to_bf16(1.5f)) ++bad;
+  }
+  // words of two bf16 transposed: dst[p][r] == the pair (rows[r][2p], rows[r][2p + 1]) bit for bit
+  for (int R : {1, 8, 9, 128})
+    for (int P : {1, 8, 9, 64}) {
+      std::vector<rf::bf16_t> src(R * (2 * P + 1));
+      for (auto& v : src) v.bits = static_cast<uint16_t>((seed = seed * 1664525u + 1013904223u) >> 16);
+      std::vector<const rf::bf16x2_t*> rows(R);
+      for (int r = 0; r < R; ++r) rows[r] = reinterpret_cast<const rf::bf16x2_t*>(src.data() + r * (2 * P + 1) + 1);
+      std::vector<float> dst(P * R);
+      rf::pack_transposed(R, P, rows.data(), dst.data(), R);
+      for (int p = 0; p < P; ++p)
+        for (int r = 0; r < R; ++r) {
+          uint32_t w;
+          std::memcpy(&w, &dst[p * R + r], 4);
+          const uint32_t want = src[r * (2 * P + 1) + 1 + 2 * p].bits | (uint32_t(src[r * (2 * P + 1) + 2 + 2 * p].bits) << 16);
+          if (w != want && bad++ < 5) std::printf("pack_transposed bf16x2 R%d P%d [%d][%d]\n", R, P, p, r);
+        }
+    }
+  std::printf("bf16 pairs mismatches: %d\n", bad);
+  return bad;
+}
+
 int main() {
   int bad = 0;
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -116,6 +191,10 @@ int main() {
   bad += check("gemm_tile", rf::gemm_tile, false);
   bad += check("gemm_tile_nt", rf::gemm_tile_nt, true);
 #endif
+  if (rf::bf16_dot())
+    bad += check_bf16_pairs();
+  else
+    std::printf("AVX512_BF16 not supported here (or REDFUSER_CPU_BF16_DOT=0): bf16 pairs skipped\n");
   bad += check_pack<float>("pack_transposed_base float", pack_base<float>);
   bad += check_pack<rf::bf16_t>("pack_transposed_base bf16", pack_base<rf::bf16_t>);
   return bad != 0;

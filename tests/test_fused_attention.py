@@ -10,6 +10,7 @@ import itertools
 
 import pytest
 import torch
+from cpu_features import bf16_pair_tiles
 
 import redfuser_ops
 from redfuser_ops import reference as ref
@@ -158,19 +159,56 @@ def test_empty_inputs():
     assert torch.all(out == 0) and torch.all(lse == float("-inf"))
 
 
-def test_cpu_blocks_keep_masked_infinities_out_of_other_rows():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_blocks_keep_masked_infinities_out_of_other_rows(dtype):
     """CPU kernels run blocks of query rows against one packed K/V tile. Causal, Sq = Sk: only the last query row
     sees the last key; an inf in that key's value must reach that row and no other row of its block (a row that does
-    not count a key multiplies it by a weight of 0, and 0 * inf is NaN)."""
+    not count a key multiplies it by a weight of 0, and 0 * inf is NaN). bf16: the pair tiles, where the CPU has
+    them, see the inf in their pack and fold that tile in float."""
     gen = torch.Generator().manual_seed(3)
-    q, k, v = strided_inputs(1, 40, 40, 4, 2, 64, torch.float32, "cpu", gen)
+    q, k, v = strided_inputs(1, 40, 40, 4, 2, 64, dtype, "cpu", gen)
     v = v.clone()
     v[:, -1, :, 5] = float("inf")
     out, lse = torch.ops.redfuser.fused_attention(q, k, v, True, None)
     r_out, _ = ref.fused_attention(q[:, :-1], k[:, :-1], v[:, :-1], True, None, dtype=torch.float64)
     assert torch.isfinite(out[:, :-1]).all()
-    assert (out[:, :-1].double() - r_out).abs().max().item() <= 1e-5
+    assert (out[:, :-1].double() - r_out).abs().max().item() <= (1e-5 if dtype == torch.float32 else 2e-2)
     assert not torch.isfinite(out[:, -1, :, 5]).any() and torch.isfinite(lse).all()
+
+
+def test_cpu_bf16_pair_tiles_and_float_tiles(tmp_path):
+    """bf16 on a CPU with AVX512_BF16: the block kernels multiply their tiles as pairs of bf16 (scores exactly as
+    the float tile, P rounded to bf16 for P x V); REDFUSER_CPU_BF16_DOT=0 keeps the float tiles. Both pass the
+    reference rule, causal and not, GQA, key tails and odd head dims (whose scores take the float tile: pairs
+    of c need D even); where the
+    CPU has the instruction the two differ (the pair tiles ran), elsewhere they are the same code and equal."""
+    import os
+    import subprocess
+    import sys
+
+    gen = torch.Generator().manual_seed(11)
+    cases = [(2, 150, 150, 6, 2, 64, True), (1, 97, 203, 4, 4, 128, False), (1, 70, 45, 2, 1, 18, True),
+             (1, 64, 64, 2, 2, 17, False)]
+    inputs = [(strided_inputs(B, Sq, Sk, H, Hk, D, torch.bfloat16, "cpu", gen), causal)
+              for B, Sq, Sk, H, Hk, D, causal in cases]
+    torch.save([(tuple(t.contiguous() for t in qkv), c) for qkv, c in inputs], tmp_path / "in.pt")
+    code = ("import sys, torch, redfuser_ops\n"
+            "ins = torch.load(sys.argv[1])\n"
+            "torch.save([torch.ops.redfuser.fused_attention(q, k, v, c, None)[0] for (q, k, v), c in ins], sys.argv[2])\n")
+    env = dict(os.environ, REDFUSER_CPU_BF16_DOT="0")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env,
+                   check=True, timeout=300, cwd=tmp_path)  # not the source tree: the installed package
+    floats = torch.load(tmp_path / "out.pt")
+    pairs_here = bf16_pair_tiles()
+    for ((q, k, v), causal), (*_, D, _c), flt in zip(inputs, cases, floats):
+        out, _ = judge(q, k, v, causal)
+        q2, k2, v2 = (t.contiguous() for t in (q, k, v))
+        judge(q2, k2, v2, causal)
+        # the float tiles' result judged the same way (the reference rule against float64)
+        r_out, _ = ref.fused_attention(q, k, v, causal, None, dtype=torch.float32)
+        p_out, _ = ref.fused_attention(q, k, v, causal, None, dtype=torch.bfloat16)
+        assert (flt.float() - r_out).abs().max().item() <= 2 * (p_out.float() - r_out).abs().max().item() + 1e-5
+        assert torch.equal(out.to(torch.bfloat16), flt) == (not pairs_here), (D, pairs_here)
 
 
 @pytest.mark.parametrize("threads", [1, 3])

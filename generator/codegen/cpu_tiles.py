@@ -241,6 +241,18 @@ def block_storage(k) -> None:
             ty = k.types[str(g.elem.base.label)]
             k.emit(f"std::vector<{ty}> {g.pack}_zero_v(ex_{g.c.name});  // the row of an element no row reads")
             k.emit(f"const {ty}* {g.pack}_rows[{ch}];  // where each element's row of the streamed factor starts")
+        bt = pairs_sum(k, g)
+        if bt:
+            c = g.c.name
+            k.emit("// bf16 operands on a CPU with AVX512_BF16: the tile on pairs of c (rf::gemm_tile_bf16)")
+            k.emit(f"const bool {g.pack}_bf = std::is_same<{bt}, rf::bf16_t>::value && rf::bf16_dot() && ex_{c} % 2 == 0;")
+            k.emit(f"std::vector<float> {g.pack}h_v({g.pack}_bf ? ex_{c} / 2 * {ch} : 0);  // [c / 2][element], "
+                   "pairs as bit patterns")
+            k.emit(f"float* {g.pack}h = {g.pack}h_v.data();")
+            k.emit(f"const rf::bf16x2_t* {g.pack}_w[{ch}];  // the element rows read as pairs")
+            k.emit(f"std::vector<uint32_t> {g.pack}a_v({g.pack}_bf ? {RBLK} * (ex_{c} / 2) : 0);  // the rows' factor "
+                   "as pairs")
+            k.emit(f"uint32_t* {g.pack}a = {g.pack}a_v.data();")
     for g in plan.folds.values():
         k.emit(f"std::vector<float> b{g.wbuf}_v({ch * RBLK});  // weights of the fold of {g.name}")
         k.emit(f"float* b{g.wbuf} = b{g.wbuf}_v.data();")
@@ -254,6 +266,17 @@ def block_storage(k) -> None:
         else:
             k.emit(f"std::vector<float> {g.pack}_v({ch * NTILE});  // the streamed factor, [element][{g.free}]")
             k.emit(f"float* {g.pack} = {g.pack}_v.data();")
+        bt = pairs_fold(k, g)
+        if bt:
+            k.emit("// bf16 operands on a CPU with AVX512_BF16: the tile on pairs of elements (rf::gemm_tile_bf16)")
+            k.emit(f"const bool {g.pack}_bf = std::is_same<{bt}, rf::bf16_t>::value && rf::bf16_dot();")
+            k.emit(f"std::vector<uint32_t> {g.pack}h_v({g.pack}_bf ? {ch // 2 * NTILE} : 0);  // [element / 2][{g.free}]")
+            k.emit(f"uint32_t* {g.pack}h = {g.pack}h_v.data();")
+            k.emit(f"std::vector<uint32_t> {g.wbuf}h_v({g.pack}_bf ? {RBLK * (ch // 2)} : 0);  // the weights as pairs")
+            k.emit(f"uint32_t* {g.wbuf}h = {g.wbuf}h_v.data();")
+            k.emit(f"std::vector<{bt}> {g.pack}_zero_v({g.pack}_bf ? ex_{g.free} : 0);  // the row of an element "
+                   "no row counts")
+            k.emit(f"const {bt}* {g.pack}_rows[{ch}];  // where each element's row starts (at {g.free} = 0)")
     k.emit(f"uint8_t row_sees[{RBLK}];  // per row of the block: whether the mask shows it any element of the chunk")
     for n in ir.rows:
         k.emit(f"int64_t rix_{n}[{RBLK}];")
@@ -351,6 +374,10 @@ def emit_blocked(k, head: str) -> str:
         k.emit(f"for (int64_t ix_{c.name} = 0; ix_{c.name} < ex_{c.name}; ++ix_{c.name}) "
                f"{buf}[ix_{c.name}] = {k.pr.flt(fac)};")
         k.hoisted[key] = saved
+        for g in plan.sums:
+            if g.key == key and pairs_sum(k, g):
+                k.emit(f"if ({g.pack}_bf) rf::pairs_from_floats(1, ex_{c.name}, {buf}, ex_{c.name}, "
+                       f"{g.pack}a + rb * (ex_{c.name} / 2), ex_{c.name} / 2);")
     k.end()
     done: list = []
     for i, p in enumerate(a.passes):
@@ -467,9 +494,21 @@ def _pack_sum(k, g: GemmSum) -> None:
                f"b{g.dots} + r0 * {ch}, {ch}, false);")
         k.end("} else {")
         k.ind += 1
+        if pairs_sum(k, g):
+            k.block(f"if ({g.pack}_bf)")
+            k.emit("// bf16 pairs: the rows read as words of two c, transposed into the [c / 2][element] tile")
+            k.emit(f"for (int64_t jj = 0; jj < {ch}; ++jj) "
+                   f"{g.pack}_w[jj] = reinterpret_cast<const rf::bf16x2_t*>({g.pack}_rows[jj]);")
+            k.emit(f"rf::pack_transposed({ch}, ex_{c} / 2, {g.pack}_w, {g.pack}h, {ch});")
+            k.emit(f"rf::gemm_tile_bf16(r1 - r0, {ch}, ex_{c} / 2, {g.pack}a + r0 * (ex_{c} / 2), ex_{c} / 2, "
+                   f"reinterpret_cast<const uint32_t*>({g.pack}h), {ch}, b{g.dots} + r0 * {ch}, {ch}, false);")
+            k.end("} else {")
+            k.ind += 1
         k.emit("// a long run: transposed 8 x 8 at a time into the [c][element] tile")
         k.emit(f"rf::pack_transposed({ch}, ex_{c}, {g.pack}_rows, {g.pack}, {ch});")
         _score_gemm(k, g, buf)
+        if pairs_sum(k, g):
+            k.end()
         k.end()
     else:
         _each_element(k, f"for (int64_t ix_{c} = 0; ix_{c} < ex_{c}; ++ix_{c}) {g.pack}[ix_{c} * {ch} + jj] = 0.0f;",
@@ -509,6 +548,37 @@ def _row_read(k, g: GemmSum) -> bool:
     (and indexed by it nowhere else): each element's factor is then a contiguous row, wherever it lies (a page of
     a paged cache), and the pack transposes rows."""
     return isinstance(g.elem, sp.Indexed) and _unit_last(k, g.elem, g.c)
+
+
+def _group(k, name: str) -> str:
+    """The tensor whose dtype a tensor follows (itself where it names its own)."""
+    return k.spec.arg(name).same_as or name
+
+
+def pairs_sum(k, g: GemmSum) -> str | None:
+    """The element type parameter under which a contraction's tile may run on bf16 pairs (rf::gemm_tile_bf16), or
+    None: its streamed factor is one read of a native input (a template parameter, bf16 among its dtypes or not:
+    the branch is `if constexpr`-free but never taken for another type), and its row factor reads an input of the
+    same dtype, so that where the streamed type is bf16 the float row buffer holds bf16 values exactly and the pair
+    products are the float tile's products."""
+    if not _row_read(k, g):
+        return None
+    name = str(g.elem.base.label)
+    ty = k.types.get(name, "")
+    if not ty.startswith("T_") or _group(k, g.key[0]) != _group(k, name):
+        return None
+    return ty
+
+
+def pairs_fold(k, g: GemmFold) -> str | None:
+    """The element type parameter under which a fold's tile may run on bf16 pairs, or None: its streamed factor is
+    one read of a native input along the free index with unit stride (its rows are contiguous) and it is not an NT
+    fold. The weights are rounded to bf16 for the pair products (nearest-even, a relative 2^-9 per weight, as a
+    bf16 attention rounds its probabilities before P x V); the states they are normalised by are summed in float."""
+    if _nt_fold(k, g) or not isinstance(g.inner, sp.Indexed) or not _unit_last(k, g.inner, k.ir.indices[g.free]):
+        return None
+    ty = k.types.get(str(g.inner.base.label), "")
+    return ty if ty.startswith("T_") else None
 
 
 def _unit_last(k, e: sp.Expr, axis: sp.Symbol) -> bool:
@@ -607,8 +677,21 @@ def _pack_fold(k, g: GemmFold, f) -> None:
         k.end("} else {")
         k.ind += 1
     lo, hi = k.bounds(n)
+    pairs = pairs_fold(k, g)
+    if pairs:
+        _fold_pair_rows(k, g)
     k.block(f"for (int64_t n0 = {lo}; n0 < {hi}; n0 += {NTILE})")
     k.emit(f"const int64_t nt = std::min<int64_t>({NTILE}, {hi} - n0);")
+    if pairs:
+        k.emit("// bf16 pairs (a tile with an inf/NaN takes the float path below)")
+        k.block(f"if constexpr (std::is_same<{pairs}, rf::bf16_t>::value)")
+        k.block(f"if ({g.pack}_bf && !rf::pack_pairs_interleaved((cn + 1) / 2, nt, {g.pack}_rows, n0, {g.pack}h, "
+                f"{NTILE}))")
+        k.emit(f"rf::gemm_tile_bf16(r1 - r0, nt, (cn + 1) / 2, {g.wbuf}h + r0 * {ch // 2}, {ch // 2}, {g.pack}h, "
+               f"{NTILE}, bst_{g.name} + r0 * szf + n0, szf, true);")
+        k.emit("continue;")
+        k.end()
+        k.end()
     k.emit("uint32_t bad = 0;  // a packed inf/NaN: fold element by element over counted elements only")
     k.block("for (int64_t jj = 0; jj < cn; ++jj)")
     _first_row(k, "cnt")
@@ -633,6 +716,29 @@ def _pack_fold(k, g: GemmFold, f) -> None:
     k.end()
     if one:
         k.end()
+    k.end()
+    k.end()
+
+
+def _fold_pair_rows(k, g: GemmFold) -> None:
+    """For a fold on bf16 pairs: the run's weights as pairs of elements (rounded to bf16), and where each element's
+    row of the streamed factor starts, read with the bindings of the first row that counts it (the zero row where
+    none does, and past the chunk's end to make the last pair whole)."""
+    ir, ch = k.ir, k.chunk
+    k.block(f"if ({g.pack}_bf)")
+    k.emit(f"rf::pairs_from_floats(r1 - r0, cn, b{g.wbuf} + r0 * {ch}, {ch}, {g.wbuf}h + r0 * {ch // 2}, {ch // 2});")
+    k.block("for (int64_t jj = 0; jj < (cn + 1) / 2 * 2; ++jj)")
+    _first_row(k, "cnt", "jj < cn")
+    k.block("if (rs < 0)")
+    k.emit(f"{g.pack}_rows[jj] = {g.pack}_zero_v.data();")
+    k.emit("continue;")
+    k.end()
+    bind_row(k, "rs", light=True)
+    k.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
+    k.emit(f"(void)ix_{ir.over};")
+    free = ir.indices[g.free]
+    first = tuple(sp.Integer(0) if i == free else i for i in g.inner.indices)
+    k.emit(f"{g.pack}_rows[jj] = &{k.tensor_element(str(g.inner.base.label), first)};")
     k.end()
     k.end()
 

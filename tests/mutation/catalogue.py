@@ -318,6 +318,26 @@ MUTANTS: list[Mutant] = [
       "the transposing pack of the score GEMM's operand takes a wrong lane in its last shuffle: one key channel of "
       "every 8 x 8 block is the wrong key's",
       ("tests/test_cpu_math_exhaustive.py", "-k", "x86"), ),
+    # the bf16 pair tiles run only on a CPU with AVX512_BF16: elsewhere these three survive (the float tiles run)
+    M("cpu-math-bf16-pairs-odd-tail-dropped", "ops_src/cpu_math.h",
+      "    if (K % 2) d[K / 2] = float_to_bf16(s[K - 1]);\n", "",
+      "the bf16 pairs of a fold's weights leave the last pair unwritten where a chunk has an odd number of elements: "
+      "the last key of a tail is weighted by a stale value (AVX512_BF16 CPUs)",
+      ATTN, ),
+    M("tiles-pair-scores-first-run-rows", "generator/codegen/cpu_tiles.py",
+      'f"rf::gemm_tile_bf16(r1 - r0, {ch}, ex_{c} / 2, {g.pack}a + r0 * (ex_{c} / 2), ex_{c} / 2, "',
+      'f"rf::gemm_tile_bf16(r1 - r0, {ch}, ex_{c} / 2, {g.pack}a, ex_{c} / 2, "',
+      "the pair tile of the scores reads the row factor's pairs from the block's first row on for every run: a "
+      "block with several runs (GQA groups, several heads) scores the later runs with the first run's queries "
+      "(AVX512_BF16 CPUs)",
+      ATTN, ),
+    M("cpu-math-bf16-pairs-inf-unreported", "ops_src/cpu_math.h",
+      "      bad |= ((lo & 0x7F80u) == 0x7F80u) | ((hi & 0x7F80u) == 0x7F80u);\n",
+      "      bad |= ((lo & 0x7F80u) == 0x7F80u);\n",
+      "the interleaving pack of a fold's bf16 tile misses an inf/NaN in the second element of a pair: the tile is "
+      "multiplied with weight 0 for the rows that do not count that key, and 0 x inf puts NaN in their outputs "
+      "(AVX512_BF16 CPUs)",
+      ATTN, ),
     M("cpu-lanes-total-last-halving-dropped", "ops_src/cpu_math.h",
       "  for (int w = N / 2; w >= 1; w /= 2)\n",
       "  for (int w = N / 2; w > 1; w /= 2)\n",
