@@ -503,8 +503,8 @@ __attribute__((always_inline)) inline bool is_finite_bits(float v) { return (flo
 // over bf16 operands multiply them as pairs of bf16 (vdpbf16ps: two products added into each float lane, with
 // float accumulation), twice the products per instruction of the float tile on their widened values: on a Zen 4
 // EPYC, tile 128 x 128 x 128 at 1 thread, 108 -> 220 GFLOP/s. The operands are uint32 words holding elements 2p
-// (low half) and 2p + 1 (high half) of the contraction. The instruction reads subnormal bf16 as 0 and rounds its
-// result to nearest-even, whatever MXCSR says. REDFUSER_CPU_BF16_DOT=0 (read once per process) keeps the float
+// (low half) and 2p + 1 (high half) of the contraction. The instruction takes subnormal bf16 inputs as 0, flushes
+// subnormal results and rounds to nearest-even, whatever MXCSR says. REDFUSER_CPU_BF16_DOT=0 (read once per process) keeps the float
 // tiles, as on CPUs without it.
 inline bool bf16_dot() {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)

@@ -557,10 +557,9 @@ def _group(k, name: str) -> str:
 
 def pairs_sum(k, g: GemmSum) -> str | None:
     """The element type parameter under which a contraction's tile may run on bf16 pairs (rf::gemm_tile_bf16), or
-    None: its streamed factor is one read of a native input (a template parameter, bf16 among its dtypes or not:
-    the branch is `if constexpr`-free but never taken for another type), and its row factor reads an input of the
-    same dtype, so that where the streamed type is bf16 the float row buffer holds bf16 values exactly and the pair
-    products are the float tile's products."""
+    None: its streamed factor is one read of a native input (a template parameter; the kernel's flag `<pack>_bf`
+    holds only where it is bf16 at run time), and its row factor reads an input of the same dtype, so that there the
+    float row buffer holds bf16 values exactly and the pair products are the float tile's products."""
     if not _row_read(k, g):
         return None
     name = str(g.elem.base.label)
