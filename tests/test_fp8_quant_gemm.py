@@ -155,3 +155,44 @@ def test_cpu_nan_weight_in_long_and_short_runs(threads):
             judge(out[:, rest], x, w[rest], ws[rest], None)
     finally:
         torch.set_num_threads(old)
+
+
+def test_cpu_bf16_pair_tiles_and_float_tiles(tmp_path):
+    """The quantised activations (e4m3) and the fp8 weight are bf16 values, so where the CPU has AVX512_BF16 the
+    block kernel multiplies a long run of rows (more than 32) as pairs of bf16 (rf::gemm_tile_bf16) with the float
+    tile's products exactly: the two paths (REDFUSER_CPU_BF16_DOT=0 keeps the float tiles) differ only in the order
+    of float sums, far inside the reference rule; elsewhere they are the same code and equal. K tails of the chunk,
+    odd M, a NaN row and a zero row."""
+    import os
+    import subprocess
+    import sys
+
+    from cpu_features import bf16_pair_tiles
+
+    gen = torch.Generator().manual_seed(16)
+    cases = []
+    for M, N, K in [(40, 128, 640), (113, 528, 1024), (200, 96, 272)]:
+        x, w, ws, b = inputs(M, N, K, torch.bfloat16, "cpu", gen, bias=True)
+        x[1, 5] = float("nan")
+        x[2] = 0
+        cases.append((x, w, ws, b))
+    torch.save(cases, tmp_path / "in.pt")
+    code = ("import sys, torch, redfuser_ops\n"
+            "ins = torch.load(sys.argv[1])\n"
+            "torch.save([torch.ops.redfuser.fp8_quant_gemm(x, w, ws, b, torch.float32) for x, w, ws, b in ins], "
+            "sys.argv[2])\n")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                   env=dict(os.environ, REDFUSER_CPU_BF16_DOT="0"), check=True, timeout=300,
+                   cwd=tmp_path)  # not the source tree: the installed package
+    floats = torch.load(tmp_path / "out.pt")
+    for (x, w, ws, b), flt in zip(cases, floats):
+        out = torch.ops.redfuser.fp8_quant_gemm(x, w, ws, b, torch.float32)
+        assert torch.equal(out.isnan(), flt.isnan()) and out[1].isnan().all()
+        keep = [i for i in range(x.shape[0]) if i != 1]
+        judge(out[keep], x[keep], w, ws, b)
+        judge(flt[keep], x[keep], w, ws, b)
+        gap = (out[keep].double() - flt[keep].double()).abs().max().item()
+        if bf16_pair_tiles():
+            assert gap <= 1e-5 * flt[keep].abs().max().item(), gap
+        else:
+            assert gap == 0.0

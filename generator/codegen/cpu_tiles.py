@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import sympy as sp
 
 from ..spec import DTYPE_BYTES
+from ..symbolic.expr import Cast, cast_float32
 
 RBLK = 128  # most rows of one block (the M side of the GEMM tiles)
 SHARE_ROWS = 32  # blocks smaller than this are not split in two per thread (block_dispatch)
@@ -263,6 +264,19 @@ def block_storage(k) -> None:
             k.emit(f"float* {g.pack}t = {g.pack}t_v.data();")
             k.emit(f"const float* {g.pack}_rows[{_ntile(k)}];")
             k.emit(f"for (int64_t x = 0; x < {_ntile(k)}; ++x) {g.pack}_rows[x] = {g.pack} + x * {ch};")
+            if pairs_nt(k, g):
+                tile, half = _ntile(k), ch // 2
+                k.emit("// bf16-valued operands on a CPU with AVX512_BF16: the long runs' tile on pairs of elements")
+                k.emit(f"const bool {g.pack}_bf = rf::bf16_dot();")
+                k.emit(f"std::vector<uint32_t> {g.pack}w_v({g.pack}_bf ? {tile * half} : 0);  // [{g.free}][element / 2]")
+                k.emit(f"std::vector<float> {g.pack}ht_v({g.pack}_bf ? {tile * half} : 0);  // [element / 2][{g.free}], "
+                       "pairs as bit patterns")
+                k.emit(f"float* {g.pack}ht = {g.pack}ht_v.data();")
+                k.emit(f"const rf::bf16x2_t* {g.pack}_wr[{tile}];")
+                k.emit(f"if ({g.pack}_bf) for (int64_t x = 0; x < {tile}; ++x) "
+                       f"{g.pack}_wr[x] = reinterpret_cast<const rf::bf16x2_t*>({g.pack}w_v.data() + x * {half});")
+                k.emit(f"std::vector<uint32_t> {g.wbuf}h_v({g.pack}_bf ? {RBLK * half} : 0);  // the weights as pairs")
+                k.emit(f"uint32_t* {g.wbuf}h = {g.wbuf}h_v.data();")
         else:
             k.emit(f"std::vector<float> {g.pack}_v({ch * NTILE});  // the streamed factor, [element][{g.free}]")
             k.emit(f"float* {g.pack} = {g.pack}_v.data();")
@@ -580,6 +594,30 @@ def pairs_fold(k, g: GemmFold) -> str | None:
     return ty if ty.startswith("T_") else None
 
 
+BF16_VALUES = ("bfloat16", "float8_e4m3fn")  # dtypes whose every value is a bf16 value
+
+
+def _bf16_valued(k, e: sp.Expr) -> bool:
+    """Whether every value e takes is a bf16 value, by its form: a cast to bf16 or e4m3, or a read (widened to float32
+    or not) of a tensor whose dtypes all are bf16 or e4m3."""
+    if isinstance(e, cast_float32):
+        return _bf16_valued(k, e.args[0])
+    if isinstance(e, Cast):
+        return e.dtype in BF16_VALUES
+    if isinstance(e, sp.Indexed):
+        arg = k.spec.arg(str(e.base.label))
+        dtypes = k.spec.arg(arg.same_as).dtypes if arg.same_as else arg.dtypes
+        return bool(dtypes) and all(d in BF16_VALUES for d in dtypes)
+    return False
+
+
+def pairs_nt(k, g: GemmFold) -> bool:
+    """Whether an NT fold (a weight W[n, j] read along the chunk) may run on bf16 pairs: its weight and its streamed
+    factor are bf16 values by their form (the e4m3 quantised activations and the fp8 weight of a quantised GEMM),
+    so the pair products are exactly the float tile's."""
+    return _nt_fold(k, g) and _bf16_valued(k, g.outer) and _bf16_valued(k, g.inner)
+
+
 def _unit_last(k, e: sp.Expr, axis: sp.Symbol) -> bool:
     """Whether every tensor read in e that depends on `axis` has it as its last index (a unit stride for the float
     and native inputs, see the glue): the one-row paths loop over `axis` innermost, straight from the tensor."""
@@ -812,6 +850,11 @@ def _pack_fold_nt(k, g: GemmFold) -> None:
     ir, ch = k.ir, k.chunk
     n, tile = g.free, _ntile(k)
     lo, hi = k.bounds(n)
+    pairs = pairs_nt(k, g)
+    if pairs:
+        k.emit(f"const bool pairs = {g.pack}_bf && r1 - r0 > {NT_RUN};  // a long run on bf16 pairs")
+        k.emit(f"if (pairs) rf::pairs_from_floats(r1 - r0, cn, b{g.wbuf} + r0 * {ch}, {ch}, {g.wbuf}h + r0 * {ch // 2}, "
+               f"{ch // 2});")
     k.block(f"for (int64_t n0 = {lo}; n0 < {hi}; n0 += {tile})")
     k.emit(f"const int64_t nt = std::min<int64_t>({tile}, {hi} - n0);")
     k.emit("uint32_t bad = 0;  // a packed inf/NaN: fold element by element over counted elements only")
@@ -826,14 +869,25 @@ def _pack_fold_nt(k, g: GemmFold) -> None:
     k.end()
     k.end()
     acc, wts = f"bst_{g.name} + r0 * szf + n0, szf, true);", f"b{g.wbuf} + r0 * {ch}, {ch}"
-    _tile_or_counted(k, g, [f"if (r1 - r0 > {NT_RUN}) {{",
-                            f"  // a long run: the tile transposed to [element][{n}] (8 x 8 register transposes) for the",
-                            "  // register-blocked tile, which has no lane sums (they cost more than the transpose at many rows)",
-                            f"  rf::pack_transposed(nt, cn, {g.pack}_rows, {g.pack}t, {tile});",
-                            f"  rf::gemm_tile(r1 - r0, nt, cn, {wts}, {g.pack}t, {tile}, {acc}",
-                            "} else {",
-                            f"  rf::gemm_tile_nt(r1 - r0, nt, cn, {wts}, {g.pack}, {ch}, {acc}",
-                            "}"], f"{g.pack}[x * {ch} + jj]")
+    lines = [f"if (r1 - r0 > {NT_RUN}) {{",
+             f"  // a long run: the tile transposed to [element][{n}] (8 x 8 register transposes) for the",
+             "  // register-blocked tile, which has no lane sums (they cost more than the transpose at many rows)",
+             f"  rf::pack_transposed(nt, cn, {g.pack}_rows, {g.pack}t, {tile});",
+             f"  rf::gemm_tile(r1 - r0, nt, cn, {wts}, {g.pack}t, {tile}, {acc}",
+             "} else {",
+             f"  rf::gemm_tile_nt(r1 - r0, nt, cn, {wts}, {g.pack}, {ch}, {acc}",
+             "}"]
+    if pairs:
+        half = ch // 2
+        lines = ["if (pairs) {",
+                 (f"  // bf16 pairs: the decoded rows as words of two elements (exact: bf16 values), transposed to "
+                 f"[element / 2][{n}]"),
+                 f"  rf::pairs_from_floats(nt, cn, {g.pack}, {ch}, {g.pack}w_v.data(), {half});",
+                 f"  rf::pack_transposed(nt, (cn + 1) / 2, {g.pack}_wr, {g.pack}ht, {tile});",
+                 (f"  rf::gemm_tile_bf16(r1 - r0, nt, (cn + 1) / 2, {g.wbuf}h + r0 * {half}, {half}, "
+                 f"reinterpret_cast<const uint32_t*>({g.pack}ht), {tile}, {acc}"),
+                 "} else " + lines[0], *lines[1:]]
+    _tile_or_counted(k, g, lines, f"{g.pack}[x * {ch} + jj]")
     k.end()
     k.end()
     k.end()

@@ -318,7 +318,7 @@ MUTANTS: list[Mutant] = [
       "the transposing pack of the score GEMM's operand takes a wrong lane in its last shuffle: one key channel of "
       "every 8 x 8 block is the wrong key's",
       ("tests/test_cpu_math_exhaustive.py", "-k", "x86"), ),
-    # the bf16 pair tiles run only on a CPU with AVX512_BF16: elsewhere these three survive (the float tiles run)
+    # the bf16 pair tiles run only on a CPU with AVX512_BF16: elsewhere these four survive (the float tiles run)
     M("cpu-math-bf16-pairs-odd-tail-dropped", "ops_src/cpu_math.h",
       "    if (K % 2) d[K / 2] = float_to_bf16(s[K - 1]);\n", "",
       "the bf16 pairs of a fold's weights leave the last pair unwritten where a chunk has an odd number of elements: "
@@ -338,6 +338,12 @@ MUTANTS: list[Mutant] = [
       "multiplied with weight 0 for the rows that do not count that key, and 0 x inf puts NaN in their outputs "
       "(AVX512_BF16 CPUs)",
       ATTN, ),
+    M("tiles-nt-pairs-source-stride", "generator/codegen/cpu_tiles.py",
+      'f"  rf::pairs_from_floats(nt, cn, {g.pack}, {ch}, {g.pack}w_v.data(), {half});",',
+      'f"  rf::pairs_from_floats(nt, cn, {g.pack}, {half}, {g.pack}w_v.data(), {half});",',
+      "the NT fold's pair tile reads the decoded weight rows at half their stride: the fp8 GEMM of a long run of "
+      "rows multiplies the wrong weights (AVX512_BF16 CPUs)",
+      ("tests/test_fp8_quant_gemm.py", *NOSLOW), ),
     M("cpu-lanes-total-last-halving-dropped", "ops_src/cpu_math.h",
       "  for (int w = N / 2; w >= 1; w /= 2)\n",
       "  for (int w = N / 2; w > 1; w /= 2)\n",
