@@ -504,14 +504,13 @@ __attribute__((always_inline)) inline bool is_finite_bits(float v) { return (flo
 // float accumulation), twice the products per instruction of the float tile on their widened values: on a Zen 4
 // EPYC, tile 128 x 128 x 128 at 1 thread, 108 -> 220 GFLOP/s. The operands are uint32 words holding elements 2p
 // (low half) and 2p + 1 (high half) of the contraction. The instruction takes subnormal bf16 inputs as 0, flushes
-// subnormal results and rounds to nearest-even, whatever MXCSR says. REDFUSER_CPU_BF16_DOT=0 (read once per process) keeps the float
-// tiles, as on CPUs without it.
+// subnormal results and rounds to nearest-even, whatever MXCSR says. REDFUSER_CPU_BF16_DOT=0 (read once per
+// process) keeps the float tiles, as on CPUs without it.
 inline bool bf16_dot() {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
   static const bool on = [] {
     const char* e = std::getenv("REDFUSER_CPU_BF16_DOT");
-    return __builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512bf16") &&
-           !(e != nullptr && std::strcmp(e, "0") == 0);
+    return x86_level() == 4 && __builtin_cpu_supports("avx512bf16") && !(e != nullptr && std::strcmp(e, "0") == 0);
   }();
   return on;
 #else

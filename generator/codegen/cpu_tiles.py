@@ -508,7 +508,8 @@ def _pack_sum(k, g: GemmSum) -> None:
                f"b{g.dots} + r0 * {ch}, {ch}, false);")
         k.end("} else {")
         k.ind += 1
-        if pairs_sum(k, g):
+        pairs = pairs_sum(k, g)
+        if pairs:
             k.block(f"if ({g.pack}_bf)")
             k.emit("// bf16 pairs: the rows read as words of two c, transposed into the [c / 2][element] tile")
             k.emit(f"for (int64_t jj = 0; jj < {ch}; ++jj) "
@@ -521,7 +522,7 @@ def _pack_sum(k, g: GemmSum) -> None:
         k.emit("// a long run: transposed 8 x 8 at a time into the [c][element] tile")
         k.emit(f"rf::pack_transposed({ch}, ex_{c}, {g.pack}_rows, {g.pack}, {ch});")
         _score_gemm(k, g, buf)
-        if pairs_sum(k, g):
+        if pairs:
             k.end()
         k.end()
     else:
@@ -535,11 +536,11 @@ def _pack_sum(k, g: GemmSum) -> None:
     k.end()
 
 
-def _each_element(k, dead: str, live: str) -> None:
-    """For each element jj of the chunk: `live` with the names of the first row of the run that reads it bound,
-    or `dead` where no row does (and for jj past the chunk's end)."""
+def _each_element(k, dead: str, live: str, flags: str = "ok") -> None:
+    """For each element jj of the chunk: `live` with the names of the first row of the run for which it is in
+    `flags` (ok: read, cnt: counted) bound, or `dead` where no row has it (and for jj past the chunk's end)."""
     k.block(f"for (int64_t jj = 0; jj < {k.chunk}; ++jj)")
-    _first_row(k, "ok", "jj < cn")
+    _first_row(k, flags, "jj < cn")
     k.block("if (rs < 0)")
     k.emit(dead)
     k.emit("continue;")
@@ -760,23 +761,14 @@ def _pack_fold(k, g: GemmFold, f) -> None:
 def _fold_pair_rows(k, g: GemmFold) -> None:
     """For a fold on bf16 pairs: the run's weights as pairs of elements (rounded to bf16), and where each element's
     row of the streamed factor starts, read with the bindings of the first row that counts it (the zero row where
-    none does, and past the chunk's end to make the last pair whole)."""
-    ir, ch = k.ir, k.chunk
+    none does, and past the chunk's end, which also makes the last pair whole)."""
+    ch = k.chunk
+    free = k.ir.indices[g.free]
+    first = tuple(sp.Integer(0) if i == free else i for i in g.inner.indices)
     k.block(f"if ({g.pack}_bf)")
     k.emit(f"rf::pairs_from_floats(r1 - r0, cn, b{g.wbuf} + r0 * {ch}, {ch}, {g.wbuf}h + r0 * {ch // 2}, {ch // 2});")
-    k.block("for (int64_t jj = 0; jj < (cn + 1) / 2 * 2; ++jj)")
-    _first_row(k, "cnt", "jj < cn")
-    k.block("if (rs < 0)")
-    k.emit(f"{g.pack}_rows[jj] = {g.pack}_zero_v.data();")
-    k.emit("continue;")
-    k.end()
-    bind_row(k, "rs", light=True)
-    k.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
-    k.emit(f"(void)ix_{ir.over};")
-    free = ir.indices[g.free]
-    first = tuple(sp.Integer(0) if i == free else i for i in g.inner.indices)
-    k.emit(f"{g.pack}_rows[jj] = &{k.tensor_element(str(g.inner.base.label), first)};")
-    k.end()
+    _each_element(k, f"{g.pack}_rows[jj] = {g.pack}_zero_v.data();",
+                  f"{g.pack}_rows[jj] = &{k.tensor_element(str(g.inner.base.label), first)};", "cnt")
     k.end()
 
 
