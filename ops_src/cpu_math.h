@@ -12,6 +12,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
 #endif
@@ -622,6 +623,69 @@ inline void gemm_tile_bf16(int64_t M, int64_t N, int64_t KP, const uint32_t* A, 
     }
 }
 #endif
+
+// ------------------------------------------------------------------------------------------ packed-tile memo
+// The packed tiles of a block kernel's streamed operand, kept for the rest of the call: the blocks of rows that
+// share a key (the 128-query blocks of one attention head, the heads of one GQA group) each pack the same tiles,
+// and packing is most of a block kernel's own time beside its GEMM tiles (the K transposes and the V pack: 40 %
+// of fused_attention's block function at fp32 d128 S1024). A tile is identified by its index (chunk and column
+// tile), its tag (the run's key values, the chunk's start, the column tile's start) and its per-element flags
+// (which elements were packed from the operand and which as the zero row): a lookup that matches all three
+// returns a tile equal word for word to the one a repack would write. Tiles with an index at or past `slots`
+// share one scratch slot that never matches (a call whose tiles exceed the byte budget packs those as before).
+// Slots are allocated lazily (calloc: zero pages until touched). One per tile site per call; not thread-shared.
+// REDFUSER_CPU_TILE_MEMO=0 (read once per process) keeps none: every tile is packed where it is used.
+inline bool tile_memo_on() {
+  static const bool on = [] {
+    const char* e = std::getenv("REDFUSER_CPU_TILE_MEMO");
+    return !(e != nullptr && std::strcmp(e, "0") == 0);
+  }();
+  return on;
+}
+class TileMemo {
+ public:
+  TileMemo(int64_t tiles, int64_t tile_floats, int64_t nflags, int64_t ntag, int64_t budget_bytes)
+      : floats_(std::max<int64_t>(1, tile_floats)), nflags_(nflags), ntag_(ntag) {
+    if (!tile_memo_on()) tiles = 0;
+    slots_ = std::max<int64_t>(0, std::min<int64_t>(tiles, budget_bytes / (floats_ * 4) - 1));
+    data_ = static_cast<float*>(std::calloc(static_cast<size_t>((slots_ + 1) * floats_), sizeof(float)));
+    if (data_ == nullptr) redfuser::fail("cpu", "out of memory for a packed tile");
+    tags_.assign(static_cast<size_t>(slots_ * (ntag_ + 1)), 0.0);
+    flags_.assign(static_cast<size_t>(slots_ * nflags_), 0);
+    words_.assign(static_cast<size_t>(slots_ + 1), 0u);
+  }
+  ~TileMemo() { std::free(data_); }
+  TileMemo(const TileMemo&) = delete;
+  TileMemo& operator=(const TileMemo&) = delete;
+
+  // the slot for tile `index` with tag[0, ntag) and flags[0, nflags): hit = it holds exactly that tile already;
+  // on a miss the slot is claimed for it (the caller packs it now)
+  int64_t find(int64_t index, const double* tag, const uint8_t* flags, bool& hit) {
+    if (index < 0 || index >= slots_) {
+      hit = false;
+      return slots_;
+    }
+    double* t = tags_.data() + index * (ntag_ + 1);
+    uint8_t* f = flags_.data() + index * nflags_;
+    hit = t[ntag_] != 0.0 && std::equal(tag, tag + ntag_, t) && std::equal(flags, flags + nflags_, f);
+    if (!hit) {
+      std::copy(tag, tag + ntag_, t);
+      t[ntag_] = 1.0;
+      std::copy(flags, flags + nflags_, f);
+    }
+    return index;
+  }
+  float* tile(int64_t slot) { return data_ + slot * floats_; }
+  // a word kept with the slot's tile (its pack's inf/NaN report)
+  uint32_t& word(int64_t slot) { return words_[static_cast<size_t>(slot)]; }
+
+ private:
+  int64_t floats_, nflags_, ntag_, slots_ = 0;
+  float* data_ = nullptr;
+  std::vector<double> tags_;
+  std::vector<uint8_t> flags_;
+  std::vector<uint32_t> words_;
+};
 
 // ------------------------------------------------------------------------------------------ selections
 // A selection keeps k entries sorted by: filled first, larger key first, NaN keys after all others,

@@ -17,3 +17,21 @@ def bf16_pair_tiles() -> bool:
     """Whether the block kernels multiply bf16 tiles as pairs here (ops_src/cpu_math.h: rf::bf16_dot): the CPU has
     AVX512_BF16 and REDFUSER_CPU_BF16_DOT is not 0."""
     return cpu_flag("avx512_bf16") and os.environ.get("REDFUSER_CPU_BF16_DOT") != "0"
+
+
+def ops_in_subprocess(tmp_path, inputs, call: str, env: dict, threads: int | None = None):
+    """What `call` (an expression over `ins`, the saved `inputs`) gives in a fresh interpreter with `env` added to
+    the environment, run from tmp_path (the installed package, not the source tree): the CPU kernels' switches
+    (REDFUSER_CPU_BF16_DOT, REDFUSER_CPU_TILE_MEMO) are read once per process. `threads`: torch's threads there."""
+    import subprocess
+    import sys
+
+    import torch
+
+    torch.save(inputs, tmp_path / "in.pt")
+    code = ("import sys, torch, redfuser_ops\n"
+            + (f"torch.set_num_threads({int(threads)})\n" if threads else "")
+            + f"ins = torch.load(sys.argv[1])\ntorch.save({call}, sys.argv[2])\n")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                   env=dict(os.environ, **env), check=True, timeout=300, cwd=tmp_path)
+    return torch.load(tmp_path / "out.pt")

@@ -146,6 +146,8 @@ def test_attention_contraction_and_weighted_sum_are_gemm_tiles():
     src = cpu_source(derive(load_spec(ROOT / "specs" / "fused_attention.yaml")), "fused_attention_cpu.h")
     assert "static void rows_case" not in src
     C = SCHUNK  # the chunk of block kernels with a GEMM sum
+    # the tiles are kept for the call where the query rows of a head (or GQA group) are more than one block
+    assert src.count("const bool memo_on = ex_i > rb_n;") == 2
     for body in _block_loop_bodies(src):
         # rows are walked with the K/V indices (b, and h through the GQA head g) outermost; runs share the key
         assert "walked in the order (b, h, i)" in body
@@ -154,14 +156,16 @@ def test_attention_contraction_and_weighted_sum_are_gemm_tiles():
         # q . k: each element's K row located once per chunk for the run, then packed by register transposes
         # ([c][element]) and one GEMM tile against the q rows (a short run: the rows widened and the NT tile)
         assert re.search(r"pk\d+_rows\[jj\] = &t_k\[", body)
-        assert re.search(rf"rf::pack_transposed\({C}, ex_c, pk\d+_rows, pk\d+, {C}\);", body)
+        # (the tile kept for the call where later blocks share the key: packed only where the memo misses)
+        assert re.search(r"const int64_t slot = pk\d+_memo.find\(c0 / \d+, tag, pk\d+_real, hit\);", body)
+        assert re.search(rf"if \(!hit\) rf::pack_transposed\({C}, ex_c, pk\d+_rows, pt, {C}\);", body)
         assert re.search(rf"rf::gemm_tile_nt\(r1 - r0, {C}, ex_c, browbuf\d+ \+ r0 \* ex_c, ex_c, pk\d+, ex_c", body)
-        assert re.search(rf"rf::gemm_tile\(r1 - r0, {C}, ex_c, browbuf\d+ \+ r0 \* ex_c, ex_c, pk\d+, {C}, bdots\d+", body)
+        assert re.search(rf"rf::gemm_tile\(r1 - r0, {C}, ex_c, browbuf\d+ \+ r0 \* ex_c, ex_c, pt, {C}, bdots\d+", body)
         assert re.search(r"el_s\[jj\] = \(p_softmax_scale \* dots\d+\[jj\]\);", body)
         assert not re.search(r"float dot\d+ = 0.0f;", body)
         # o[d] += p_j v[j, d]: the weights per row (0 where not counted), then V packed once and one GEMM tile
         assert re.search(r"wts\d+\[jj\] = el_cnt\[jj\] \? v : 0.0f;", body)
-        assert re.search(rf"rf::gemm_tile\(r1 - r0, nt, cn, bwts\d+ \+ r0 \* {C}, {C}, pk\d+, 256, bst_o", body)
+        assert re.search(rf"rf::gemm_tile\(r1 - r0, nt, cn, bwts\d+ \+ r0 \* {C}, {C}, pt, pk\d+_ldp, bst_o", body)
         # the correction is applied per row before the tile is folded in
         assert body.index("st_o[r] = st_o[r] * cr_o") < body.index("rf::gemm_tile(r1 - r0, nt, cn")
 

@@ -163,11 +163,7 @@ def test_cpu_bf16_pair_tiles_and_float_tiles(tmp_path):
     tile's products exactly: the two paths (REDFUSER_CPU_BF16_DOT=0 keeps the float tiles) differ only in the order
     of float sums, far inside the reference rule; elsewhere they are the same code and equal. K tails of the chunk,
     odd M, a NaN row and a zero row."""
-    import os
-    import subprocess
-    import sys
-
-    from cpu_features import bf16_pair_tiles
+    from cpu_features import bf16_pair_tiles, ops_in_subprocess
 
     gen = torch.Generator().manual_seed(16)
     cases = []
@@ -176,15 +172,8 @@ def test_cpu_bf16_pair_tiles_and_float_tiles(tmp_path):
         x[1, 5] = float("nan")
         x[2] = 0
         cases.append((x, w, ws, b))
-    torch.save(cases, tmp_path / "in.pt")
-    code = ("import sys, torch, redfuser_ops\n"
-            "ins = torch.load(sys.argv[1])\n"
-            "torch.save([torch.ops.redfuser.fp8_quant_gemm(x, w, ws, b, torch.float32) for x, w, ws, b in ins], "
-            "sys.argv[2])\n")
-    subprocess.run([sys.executable, "-c", code, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-                   env=dict(os.environ, REDFUSER_CPU_BF16_DOT="0"), check=True, timeout=300,
-                   cwd=tmp_path)  # not the source tree: the installed package
-    floats = torch.load(tmp_path / "out.pt")
+    floats = ops_in_subprocess(tmp_path, cases, "[torch.ops.redfuser.fp8_quant_gemm(x, w, ws, b, torch.float32) "
+                               "for x, w, ws, b in ins]", {"REDFUSER_CPU_BF16_DOT": "0"})
     for (x, w, ws, b), flt in zip(cases, floats):
         out = torch.ops.redfuser.fp8_quant_gemm(x, w, ws, b, torch.float32)
         assert torch.equal(out.isnan(), flt.isnan()) and out[1].isnan().all()

@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 import torch
-from cpu_features import bf16_pair_tiles
+from cpu_features import bf16_pair_tiles, ops_in_subprocess
 
 import redfuser_ops
 from redfuser_ops import reference as ref
@@ -182,23 +182,14 @@ def test_cpu_bf16_pair_tiles_and_float_tiles(tmp_path):
     reference rule, causal and not, GQA, key tails and odd head dims (whose scores take the float tile: pairs
     of c need D even); where the
     CPU has the instruction the two differ (the pair tiles ran), elsewhere they are the same code and equal."""
-    import os
-    import subprocess
-    import sys
-
     gen = torch.Generator().manual_seed(11)
     cases = [(2, 150, 150, 6, 2, 64, True), (1, 97, 203, 4, 4, 128, False), (1, 70, 45, 2, 1, 18, True),
              (1, 64, 64, 2, 2, 17, False)]
     inputs = [(strided_inputs(B, Sq, Sk, H, Hk, D, torch.bfloat16, "cpu", gen), causal)
               for B, Sq, Sk, H, Hk, D, causal in cases]
-    torch.save([(tuple(t.contiguous() for t in qkv), c) for qkv, c in inputs], tmp_path / "in.pt")
-    code = ("import sys, torch, redfuser_ops\n"
-            "ins = torch.load(sys.argv[1])\n"
-            "torch.save([torch.ops.redfuser.fused_attention(q, k, v, c, None)[0] for (q, k, v), c in ins], sys.argv[2])\n")
-    env = dict(os.environ, REDFUSER_CPU_BF16_DOT="0")
-    subprocess.run([sys.executable, "-c", code, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env,
-                   check=True, timeout=300, cwd=tmp_path)  # not the source tree: the installed package
-    floats = torch.load(tmp_path / "out.pt")
+    floats = ops_in_subprocess(tmp_path, [(tuple(t.contiguous() for t in qkv), c) for qkv, c in inputs],
+                               "[torch.ops.redfuser.fused_attention(q, k, v, c, None)[0] for (q, k, v), c in ins]",
+                               {"REDFUSER_CPU_BF16_DOT": "0"})
     pairs_here = bf16_pair_tiles()
     for ((q, k, v), causal), (*_, D, _c), flt in zip(inputs, cases, floats):
         out, _ = judge(q, k, v, causal)
@@ -209,6 +200,41 @@ def test_cpu_bf16_pair_tiles_and_float_tiles(tmp_path):
         p_out, _ = ref.fused_attention(q, k, v, causal, None, dtype=torch.bfloat16)
         assert (flt.float() - r_out).abs().max().item() <= 2 * (p_out.float() - r_out).abs().max().item() + 1e-5
         assert torch.equal(out.to(torch.bfloat16), flt) == (not pairs_here), (D, pairs_here)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_tile_memo_equals_repacking(tmp_path, threads):
+    """Blocks of rows that share a K/V head (the 128-query blocks of one head, the heads of one GQA group) reuse
+    the K and V tiles packed by the first block that needed them (rf::TileMemo) where the same keys are read:
+    causal rows with Sq < Sk see different parts of a chunk from block to block, and those chunks are packed
+    again. With REDFUSER_CPU_TILE_MEMO=0 every tile is packed where it is used: the two must agree bit for bit
+    (the same tiles, the same GEMMs) and pass the reference rule. An inf in V at a key that later blocks take
+    from the memo (GQA: the next head's early rows share the run) stays out of the rows that do not count it."""
+    gen = torch.Generator().manual_seed(12)
+    cases = [(1, 200, 333, 2, 1, 64, True, torch.float32), (1, 300, 300, 4, 2, 64, True, torch.float32),
+             (2, 260, 260, 2, 2, 128, False, torch.float32), (1, 200, 333, 4, 1, 64, True, torch.bfloat16),
+             (1, 300, 300, 2, 1, 128, False, torch.bfloat16)]
+    inputs = [(*(t.contiguous() for t in strided_inputs(B, Sq, Sk, H, Hk, D, dt, "cpu", gen)), causal)
+              for B, Sq, Sk, H, Hk, D, causal, dt in cases]
+    for dt in (torch.float32, torch.bfloat16):
+        q, k, v = (t.contiguous() for t in strided_inputs(1, 300, 300, 4, 1, 64, dt, "cpu", gen))
+        v[0, 200, 0, 5] = float("inf")  # key 200: causal rows below 200 do not count it
+        inputs.append((q, k, v, True))
+    repacked = ops_in_subprocess(tmp_path, inputs,
+                                 "[torch.ops.redfuser.fused_attention(q, k, v, c, None) for q, k, v, c in ins]",
+                                 {"REDFUSER_CPU_TILE_MEMO": "0"}, threads)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, ((q, k, v, causal), (r_out, r_lse)) in enumerate(zip(inputs, repacked)):
+            out, lse = torch.ops.redfuser.fused_attention(q, k, v, causal, None)
+            assert torch.equal(out, r_out) and torch.equal(lse, r_lse), n
+            if n < len(cases):
+                judge(q, k, v, causal)
+            else:
+                assert torch.isfinite(out[:, :200]).all() and not torch.isfinite(out[:, 200:, 0]).all()
+    finally:
+        torch.set_num_threads(old)
 
 
 @pytest.mark.parametrize("threads", [1, 3])

@@ -36,6 +36,7 @@ RBLK = 128  # most rows of one block (the M side of the GEMM tiles)
 SHARE_ROWS = 32  # blocks smaller than this are not split in two per thread (block_dispatch)
 NT_RUN = 32  # runs of at most this many rows take a contraction's rows unpacked, in the NT tile
 NTILE = 256  # columns of a free index per packed tile of a GEMM fold
+MEMO_BYTES = 1 << 22  # most bytes of packed tiles one tile site keeps per call (rf::TileMemo)
 WCHUNK = 256  # the chunk of block kernels with an NT fold (block_chunk)
 SCHUNK = 128  # the chunk of block kernels with a GEMM sum (block_chunk)
 
@@ -154,9 +155,18 @@ def block_plan(k) -> BlockPlan | None:
     keys: list[sp.Expr] = []
     for e in [g.elem for g in sums] + [g.inner for g in folds.values()]:
         _row_keys(k, e, keys)
-    deps = set().union(*[k.index_deps(x) for x in keys]) if keys else set()
+    deps = _deps(k, keys)
     order = [n for n in ir.rows if n in deps] + [n for n in ir.rows if n not in deps]
     return BlockPlan(sums, folds, keys, order, late)
+
+
+def _deps(k, keys: list) -> set:
+    return set().union(*[k.index_deps(x) for x in keys]) if keys else set()
+
+
+def _key_deps(k) -> set:
+    """The row indices the block's key depends on (rows differing only in the others share the streamed tiles)."""
+    return _deps(k, k.plan.keys)
 
 
 COLS_MIN = 256  # fewest columns of a split free index per task (split_axis)
@@ -233,11 +243,23 @@ def block_storage(k) -> None:
     for flag in ("ok", "cnt"):
         k.emit(f"std::vector<uint8_t> bel_{flag}_v({ch * RBLK});")
         k.emit(f"uint8_t* bel_{flag} = bel_{flag}_v.data();")
+    nk = max(1, len(plan.keys))
+    if any(not _nt_fold(k, g) for g in plan.folds.values()) or plan.sums:
+        inner = [f"ex_{n}" for n in plan.order if n not in _key_deps(k)]
+        k.emit("// packed tiles kept for the call (rf::TileMemo) where later blocks of rows share this one's key: "
+               "more rows per key than a block has")
+        k.emit(f"const bool memo_on = {' * '.join(inner) or '1'} > rb_n;")
     for g in plan.sums:
+        c = g.c.name
         k.emit(f"std::vector<float> b{g.dots}_v({ch * RBLK});  // {g.s}")
         k.emit(f"float* b{g.dots} = b{g.dots}_v.data();")
-        k.emit(f"std::vector<float> {g.pack}_v(ex_{g.c.name} * {ch});  // the streamed factor, [c][element]")
+        k.emit(f"std::vector<float> {g.pack}_v(ex_{c} * {ch});  // the streamed factor, [element][c] (short runs)")
         k.emit(f"float* {g.pack} = {g.pack}_v.data();")
+        k.emit("// the streamed factor's [c][element] tiles (or [c / 2][element] pairs), one per chunk; flags: "
+               "elements packed from the operand")
+        k.emit(f"rf::TileMemo {g.pack}_memo(memo_on ? (ex_{k.ir.over} + {ch - 1}) / {ch} : 0, ex_{c} * {ch}, {ch}, "
+               f"{nk + 1}, {MEMO_BYTES});")
+        k.emit(f"uint8_t {g.pack}_real[{ch}];")
         if _row_read(k, g):
             ty = k.types[str(g.elem.base.label)]
             k.emit(f"std::vector<{ty}> {g.pack}_zero_v(ex_{g.c.name});  // the row of an element no row reads")
@@ -247,9 +269,6 @@ def block_storage(k) -> None:
             c = g.c.name
             k.emit("// bf16 operands on a CPU with AVX512_BF16: the tile on pairs of c (rf::gemm_tile_bf16)")
             k.emit(f"const bool {g.pack}_bf = std::is_same<{bt}, rf::bf16_t>::value && rf::bf16_dot() && ex_{c} % 2 == 0;")
-            k.emit(f"std::vector<float> {g.pack}h_v({g.pack}_bf ? ex_{c} / 2 * {ch} : 0);  // [c / 2][element], "
-                   "pairs as bit patterns")
-            k.emit(f"float* {g.pack}h = {g.pack}h_v.data();")
             k.emit(f"const rf::bf16x2_t* {g.pack}_w[{ch}];  // the element rows read as pairs")
             k.emit(f"std::vector<uint32_t> {g.pack}a_v({g.pack}_bf ? {RBLK} * (ex_{c} / 2) : 0);  // the rows' factor "
                    "as pairs")
@@ -278,14 +297,19 @@ def block_storage(k) -> None:
                 k.emit(f"std::vector<uint32_t> {g.wbuf}h_v({g.pack}_bf ? {RBLK * half} : 0);  // the weights as pairs")
                 k.emit(f"uint32_t* {g.wbuf}h = {g.wbuf}h_v.data();")
         else:
-            k.emit(f"std::vector<float> {g.pack}_v({ch * NTILE});  // the streamed factor, [element][{g.free}]")
+            n = g.free
+            k.emit(f"// the streamed factor's [element][{n}] tiles (or [element / 2][{n}] pairs), one per chunk and "
+                   f"column tile of ldp columns; flags: elements packed from the operand")
+            k.emit(f"const int64_t {g.pack}_ldp = std::min<int64_t>({NTILE}, (ex_{n} + 31) / 32 * 32);")
+            k.emit(f"rf::TileMemo {g.pack}_memo(memo_on ? (ex_{k.ir.over} + {ch - 1}) / {ch} * "
+                   f"((ex_{n} + {NTILE - 1}) / {NTILE} + 1) : 0, {ch} * {g.pack}_ldp, {ch}, {nk + 2}, {MEMO_BYTES});")
+            k.emit(f"uint8_t {g.pack}_real[{ch}];")
+            k.emit(f"std::vector<float> {g.pack}_v({ch} * {g.pack}_ldp);  // a pair tile's float pack (an inf/NaN)")
             k.emit(f"float* {g.pack} = {g.pack}_v.data();")
         bt = pairs_fold(k, g)
         if bt:
             k.emit("// bf16 operands on a CPU with AVX512_BF16: the tile on pairs of elements (rf::gemm_tile_bf16)")
             k.emit(f"const bool {g.pack}_bf = std::is_same<{bt}, rf::bf16_t>::value && rf::bf16_dot();")
-            k.emit(f"std::vector<uint32_t> {g.pack}h_v({g.pack}_bf ? {ch // 2 * NTILE} : 0);  // [element / 2][{g.free}]")
-            k.emit(f"uint32_t* {g.pack}h = {g.pack}h_v.data();")
             k.emit(f"std::vector<uint32_t> {g.wbuf}h_v({g.pack}_bf ? {RBLK * (ch // 2)} : 0);  // the weights as pairs")
             k.emit(f"uint32_t* {g.wbuf}h = {g.wbuf}h_v.data();")
             k.emit(f"std::vector<{bt}> {g.pack}_zero_v({g.pack}_bf ? ex_{g.free} : 0);  // the row of an element "
@@ -497,8 +521,8 @@ def _pack_sum(k, g: GemmSum) -> None:
         k.emit("// the chunk's rows of the operand, contiguous along the contraction")
         name = str(g.elem.base.label)
         first = tuple(sp.Integer(0) if i == g.c else i for i in g.elem.indices)
-        _each_element(k, f"{g.pack}_rows[jj] = {g.pack}_zero_v.data();",
-                      f"{g.pack}_rows[jj] = &{k.tensor_element(name, first)};")
+        _each_element(k, f"{g.pack}_rows[jj] = {g.pack}_zero_v.data(); {g.pack}_real[jj] = 0;",
+                      f"{g.pack}_rows[jj] = &{k.tensor_element(name, first)}; {g.pack}_real[jj] = 1;")
         k.block(f"if (r1 - r0 <= {NT_RUN})")
         k.emit("// a short run (decode heads): the rows as they are, widened, and the NT tile: a transpose per tile "
                "costs as much as the GEMM at so few rows")
@@ -508,27 +532,34 @@ def _pack_sum(k, g: GemmSum) -> None:
                f"b{g.dots} + r0 * {ch}, {ch}, false);")
         k.end("} else {")
         k.ind += 1
+        _memo_find(k, g.pack, 1)
         pairs = pairs_sum(k, g)
         if pairs:
             k.block(f"if ({g.pack}_bf)")
             k.emit("// bf16 pairs: the rows read as words of two c, transposed into the [c / 2][element] tile")
+            k.block("if (!hit)")
             k.emit(f"for (int64_t jj = 0; jj < {ch}; ++jj) "
                    f"{g.pack}_w[jj] = reinterpret_cast<const rf::bf16x2_t*>({g.pack}_rows[jj]);")
-            k.emit(f"rf::pack_transposed({ch}, ex_{c} / 2, {g.pack}_w, {g.pack}h, {ch});")
+            k.emit(f"rf::pack_transposed({ch}, ex_{c} / 2, {g.pack}_w, pt, {ch});")
+            k.end()
             k.emit(f"rf::gemm_tile_bf16(r1 - r0, {ch}, ex_{c} / 2, {g.pack}a + r0 * (ex_{c} / 2), ex_{c} / 2, "
-                   f"reinterpret_cast<const uint32_t*>({g.pack}h), {ch}, b{g.dots} + r0 * {ch}, {ch}, false);")
+                   f"reinterpret_cast<const uint32_t*>(pt), {ch}, b{g.dots} + r0 * {ch}, {ch}, false);")
             k.end("} else {")
             k.ind += 1
         k.emit("// a long run: transposed 8 x 8 at a time into the [c][element] tile")
-        k.emit(f"rf::pack_transposed({ch}, ex_{c}, {g.pack}_rows, {g.pack}, {ch});")
+        k.emit(f"if (!hit) rf::pack_transposed({ch}, ex_{c}, {g.pack}_rows, pt, {ch});")
         _score_gemm(k, g, buf)
         if pairs:
             k.end()
         k.end()
     else:
-        _each_element(k, f"for (int64_t ix_{c} = 0; ix_{c} < ex_{c}; ++ix_{c}) {g.pack}[ix_{c} * {ch} + jj] = 0.0f;",
-                      f"for (int64_t ix_{c} = 0; ix_{c} < ex_{c}; ++ix_{c}) {g.pack}[ix_{c} * {ch} + jj] = "
+        _each_element(k, f"{g.pack}_real[jj] = 0;", f"{g.pack}_real[jj] = 1;")
+        _memo_find(k, g.pack, 1)
+        k.block("if (!hit)")
+        _each_element(k, f"for (int64_t ix_{c} = 0; ix_{c} < ex_{c}; ++ix_{c}) pt[ix_{c} * {ch} + jj] = 0.0f;",
+                      f"for (int64_t ix_{c} = 0; ix_{c} < ex_{c}; ++ix_{c}) pt[ix_{c} * {ch} + jj] = "
                       f"{k.pr.flt(g.elem)};")
+        k.end()
         _score_gemm(k, g, buf)
     if one:
         k.end()
@@ -554,8 +585,22 @@ def _each_element(k, dead: str, live: str, flags: str = "ok") -> None:
 
 def _score_gemm(k, g: GemmSum, buf: str) -> None:
     ch, c = k.chunk, g.c.name
-    k.emit(f"rf::gemm_tile(r1 - r0, {ch}, ex_{c}, b{buf} + r0 * ex_{c}, ex_{c}, {g.pack}, {ch}, b{g.dots} + r0 * {ch}, "
+    k.emit(f"rf::gemm_tile(r1 - r0, {ch}, ex_{c}, b{buf} + r0 * ex_{c}, ex_{c}, pt, {ch}, b{g.dots} + r0 * {ch}, "
            f"{ch}, false);")
+
+
+def _memo_find(k, pack: str, extra: int, index: str | None = None) -> None:
+    """slot, hit and pt (the slot's tile) for this run's tile of `pack` (rf::TileMemo): tagged by the run's key,
+    the chunk's start and, for a fold (extra 2), the column tile's start n0."""
+    nk = max(1, len(k.plan.keys))
+    k.emit(f"double tag[{nk + extra}];")
+    k.emit(f"std::copy(rkey + r0 * {nk}, rkey + (r0 + 1) * {nk}, tag);")
+    k.emit(f"tag[{nk}] = static_cast<double>(c0);")
+    if extra == 2:
+        k.emit(f"tag[{nk + 1}] = static_cast<double>(n0);")
+    k.emit("bool hit = false;")
+    k.emit(f"const int64_t slot = {pack}_memo.find({index or f'c0 / {k.chunk}'}, tag, {pack}_real, hit);")
+    k.emit(f"float* pt = {pack}_memo.tile(slot);")
 
 
 def _row_read(k, g: GemmSum) -> bool:
@@ -718,22 +763,34 @@ def _pack_fold(k, g: GemmFold, f) -> None:
     pairs = pairs_fold(k, g)
     if pairs:
         _fold_pair_rows(k, g)
-    k.block(f"for (int64_t n0 = {lo}; n0 < {hi}; n0 += {NTILE})")
-    k.emit(f"const int64_t nt = std::min<int64_t>({NTILE}, {hi} - n0);")
+    else:
+        k.emit(f"for (int64_t jj = 0; jj < {ch}; ++jj) {g.pack}_real[jj] = 0;  // the elements some row counts")
+        k.emit(f"for (int64_t q = r0; q < r1; ++q) for (int64_t jj = 0; jj < cn; ++jj) "
+               f"{g.pack}_real[jj] |= bel_cnt[q * {ch} + jj];")
+    ldp = f"{g.pack}_ldp"
+    k.block(f"for (int64_t n0 = {lo}; n0 < {hi}; n0 += {ldp})")
+    k.emit(f"const int64_t nt = std::min<int64_t>({ldp}, {hi} - n0);")
+    _memo_find(k, g.pack, 2, f"c0 / {ch} * ((ex_{n} + {NTILE - 1}) / {NTILE} + 1) + (n0 - ({lo})) / {ldp}")
     if pairs:
-        k.emit("// bf16 pairs (a tile with an inf/NaN takes the float path below)")
+        k.emit("// bf16 pairs (a tile with an inf/NaN takes the float path below, packed outside the memo)")
         k.block(f"if constexpr (std::is_same<{pairs}, rf::bf16_t>::value)")
-        k.block(f"if ({g.pack}_bf && !rf::pack_pairs_interleaved((cn + 1) / 2, nt, {g.pack}_rows, n0, {g.pack}h, "
-                f"{NTILE}))")
-        k.emit(f"rf::gemm_tile_bf16(r1 - r0, nt, (cn + 1) / 2, {g.wbuf}h + r0 * {ch // 2}, {ch // 2}, {g.pack}h, "
-               f"{NTILE}, bst_{g.name} + r0 * szf + n0, szf, true);")
+        k.block(f"if ({g.pack}_bf)")
+        k.emit(f"if (!hit) {g.pack}_memo.word(slot) = rf::pack_pairs_interleaved((cn + 1) / 2, nt, {g.pack}_rows, n0, "
+               f"reinterpret_cast<uint32_t*>(pt), {ldp});")
+        k.block(f"if (!{g.pack}_memo.word(slot))")
+        k.emit(f"rf::gemm_tile_bf16(r1 - r0, nt, (cn + 1) / 2, {g.wbuf}h + r0 * {ch // 2}, {ch // 2}, "
+               f"reinterpret_cast<const uint32_t*>(pt), {ldp}, bst_{g.name} + r0 * szf + n0, szf, true);")
         k.emit("continue;")
+        k.end()
+        k.emit(f"pt = {g.pack};")
+        k.emit("hit = false;")
         k.end()
         k.end()
     k.emit("uint32_t bad = 0;  // a packed inf/NaN: fold element by element over counted elements only")
+    k.block("if (!hit)")
     k.block("for (int64_t jj = 0; jj < cn; ++jj)")
     _first_row(k, "cnt")
-    k.emit(f"float* dst = {g.pack} + jj * {NTILE};")
+    k.emit(f"float* dst = pt + jj * {ldp};")
     k.block("if (rs < 0)")
     k.emit("std::fill(dst, dst + nt, 0.0f);")
     k.emit("continue;")
@@ -747,8 +804,12 @@ def _pack_fold(k, g: GemmFold, f) -> None:
     k.emit("bad |= rf::is_finite_bits(v) ? 0u : 1u;")
     k.end()
     k.end()
-    _tile_or_counted(k, g, f"rf::gemm_tile(r1 - r0, nt, cn, b{g.wbuf} + r0 * {ch}, {ch}, {g.pack}, {NTILE}, "
-                     f"bst_{g.name} + r0 * szf + n0, szf, true);", f"{g.pack}[jj * {NTILE} + x]")
+    k.emit(f"if (pt != {g.pack}) {g.pack}_memo.word(slot) = bad;")
+    k.end("} else {")
+    k.emit(f"  bad = {g.pack}_memo.word(slot);")
+    k.emit("}")
+    _tile_or_counted(k, g, f"rf::gemm_tile(r1 - r0, nt, cn, b{g.wbuf} + r0 * {ch}, {ch}, pt, {ldp}, "
+                     f"bst_{g.name} + r0 * szf + n0, szf, true);", f"pt[jj * {ldp} + x]")
     k.end()
     k.end()
     k.end()
@@ -767,9 +828,14 @@ def _fold_pair_rows(k, g: GemmFold) -> None:
     first = tuple(sp.Integer(0) if i == free else i for i in g.inner.indices)
     k.block(f"if ({g.pack}_bf)")
     k.emit(f"rf::pairs_from_floats(r1 - r0, cn, b{g.wbuf} + r0 * {ch}, {ch}, {g.wbuf}h + r0 * {ch // 2}, {ch // 2});")
-    _each_element(k, f"{g.pack}_rows[jj] = {g.pack}_zero_v.data();",
-                  f"{g.pack}_rows[jj] = &{k.tensor_element(str(g.inner.base.label), first)};", "cnt")
-    k.end()
+    _each_element(k, f"{g.pack}_rows[jj] = {g.pack}_zero_v.data(); {g.pack}_real[jj] = 0;",
+                  f"{g.pack}_rows[jj] = &{k.tensor_element(str(g.inner.base.label), first)}; {g.pack}_real[jj] = 1;",
+                  "cnt")
+    k.end("} else {")
+    k.emit(f"  for (int64_t jj = 0; jj < {ch}; ++jj) {g.pack}_real[jj] = 0;  // the elements some row counts")
+    k.emit(f"  for (int64_t q = r0; q < r1; ++q) for (int64_t jj = 0; jj < cn; ++jj) "
+           f"{g.pack}_real[jj] |= bel_cnt[q * {ch} + jj];")
+    k.emit("}")
 
 
 def _tile_or_counted(k, g: GemmFold, tile: str | list[str], packed: str) -> None:

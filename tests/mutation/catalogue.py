@@ -344,6 +344,17 @@ MUTANTS: list[Mutant] = [
       "the NT fold's pair tile reads the decoded weight rows at half their stride: the fp8 GEMM of a long run of "
       "rows multiplies the wrong weights (AVX512_BF16 CPUs)",
       ("tests/test_fp8_quant_gemm.py", *NOSLOW), ),
+    M("cpu-tile-memo-flags-ignored", "ops_src/cpu_math.h",
+      "    hit = t[ntag_] != 0.0 && std::equal(tag, tag + ntag_, t) && std::equal(flags, flags + nflags_, f);\n",
+      "    hit = t[ntag_] != 0.0 && std::equal(tag, tag + ntag_, t);\n",
+      "the packed-tile memo matches a tile by its key and chunk but not by which elements were read: a block whose "
+      "rows see more of a chunk than the block that packed it (causal rows, Sq < Sk) takes zeros for those keys",
+      ATTN, ),
+    M("tiles-memo-hit-forgets-inf", "generator/codegen/cpu_tiles.py",
+      'k.emit(f"  bad = {g.pack}_memo.word(slot);")', 'k.emit("  bad = 0;")',
+      "a fold tile taken from the memo forgets that its pack found an inf/NaN: the GEMM tile multiplies it by the "
+      "weight 0 of rows that do not count that key (0 x inf: NaN in their outputs)",
+      ATTN, ),
     M("cpu-lanes-total-last-halving-dropped", "ops_src/cpu_math.h",
       "  for (int w = N / 2; w >= 1; w /= 2)\n",
       "  for (int w = N / 2; w > 1; w /= 2)\n",
