@@ -182,15 +182,6 @@ inline int64_t imod(int64_t a, int64_t b) {
   return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
 }
 
-// the sum of N partial sums (a vectorised fold's lanes), pairwise by halving: vector adds instead of a chain of N
-// dependent scalar adds; overwrites l
-template <int N>
-__attribute__((always_inline)) inline float lanes_total(float* l) {
-  static_assert(N > 0 && (N & (N - 1)) == 0, "a power of two");
-  for (int w = N / 2; w >= 1; w /= 2)
-    for (int i = 0; i < w; ++i) l[i] = l[i] + l[i + w];
-  return l[0];
-}
 
 // ------------------------------------------------------------------------------------------ tile GEMM
 // C[m, n] (+)= sum_k A[m, k] * B[k, n] for m < M, n < N, all row-major with leading dimensions lda, ldb, ldc:
@@ -289,6 +280,23 @@ __attribute__((always_inline)) inline H add_halves(const V& v) {
 __attribute__((always_inline)) inline float lane_sum(const vf4& v) { return (v[0] + v[2]) + (v[1] + v[3]); }
 __attribute__((always_inline)) inline float lane_sum(const vf8& v) { return lane_sum(add_halves<vf4>(v)); }
 __attribute__((always_inline)) inline float lane_sum(const vf16& v) { return lane_sum(add_halves<vf8>(v)); }
+
+// the sum of N partial sums (a vectorised fold's lanes), pairwise by halving: l[i] + l[i + N / 2], then the same on
+// the first half, down to one (the order of lane_sum, whose halving in registers it is for N = 16: the loop over
+// the array, after the lanes were accumulated in a vector register, read them back one by one through a store,
+// 7-9 % of fused_attention's block function on a Zen 4); overwrites l
+template <int N>
+__attribute__((always_inline)) inline float lanes_total(float* l) {
+  static_assert(N > 0 && (N & (N - 1)) == 0, "a power of two");
+  if constexpr (N == 16) {
+    vf16 v;
+    std::memcpy(&v, l, sizeof(v));
+    return lane_sum(v);
+  }
+  for (int w = N / 2; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) l[i] = l[i] + l[i + w];
+  return l[0];
+}
 
 // {sum(a), sum(b), sum(c), sum(d)}: four lane sums at once by two rounds of pairwise interleaved adds (each group
 // of four lanes then holds partial sums of a, b, c, d) and a halving of the groups

@@ -301,8 +301,9 @@ def block_storage(k) -> None:
             k.emit(f"// the streamed factor's [element][{n}] tiles (or [element / 2][{n}] pairs), one per chunk and "
                    f"column tile of ldp columns; flags: elements packed from the operand")
             k.emit(f"const int64_t {g.pack}_ldp = std::min<int64_t>({NTILE}, (ex_{n} + 31) / 32 * 32);")
-            k.emit(f"rf::TileMemo {g.pack}_memo(memo_on ? (ex_{k.ir.over} + {ch - 1}) / {ch} * "
-                   f"((ex_{n} + {NTILE - 1}) / {NTILE} + 1) : 0, {ch} * {g.pack}_ldp, {ch}, {nk + 2}, {MEMO_BYTES});")
+            k.emit(f"const int64_t {g.pack}_ntl = (ex_{n} + {g.pack}_ldp - 1) / {g.pack}_ldp;  // column tiles per chunk")
+            k.emit(f"rf::TileMemo {g.pack}_memo(memo_on ? (ex_{k.ir.over} + {ch - 1}) / {ch} * {g.pack}_ntl : 0, "
+                   f"{ch} * {g.pack}_ldp, {ch}, {nk + 2}, {MEMO_BYTES});")
             k.emit(f"uint8_t {g.pack}_real[{ch}];")
             k.emit(f"std::vector<float> {g.pack}_v({ch} * {g.pack}_ldp);  // a pair tile's float pack (an inf/NaN)")
             k.emit(f"float* {g.pack} = {g.pack}_v.data();")
@@ -433,9 +434,8 @@ def emit_blocked(k, head: str) -> str:
             k.block("for (int64_t jj = 0; jj < cn; ++jj)")
             k.mask_and_early_lets(plan.late)
             k.end()
-            k.emit("uint8_t any_ok = 0;  // whether the row sees any element of the chunk (an OR that vectorises)")
-            k.emit("for (int64_t jj = 0; jj < cn; ++jj) any_ok |= el_ok[jj];")
-            k.emit("row_sees[rb] = any_ok;")
+            k.emit("// whether the row sees any element of the chunk (the first ok byte: at once where the mask shows all)")
+            k.emit("row_sees[rb] = std::memchr(el_ok, 1, static_cast<size_t>(cn)) != nullptr;")
             k.end()
             for g in plan.sums:
                 _pack_sum(k, g)
@@ -770,7 +770,7 @@ def _pack_fold(k, g: GemmFold, f) -> None:
     ldp = f"{g.pack}_ldp"
     k.block(f"for (int64_t n0 = {lo}; n0 < {hi}; n0 += {ldp})")
     k.emit(f"const int64_t nt = std::min<int64_t>({ldp}, {hi} - n0);")
-    _memo_find(k, g.pack, 2, f"c0 / {ch} * ((ex_{n} + {NTILE - 1}) / {NTILE} + 1) + (n0 - ({lo})) / {ldp}")
+    _memo_find(k, g.pack, 2, f"c0 / {ch} * {g.pack}_ntl + (n0 - ({lo})) / {ldp}")
     if pairs:
         k.emit("// bf16 pairs (a tile with an inf/NaN takes the float path below, packed outside the memo)")
         k.block(f"if constexpr (std::is_same<{pairs}, rf::bf16_t>::value)")
