@@ -764,9 +764,7 @@ def _pack_fold(k, g: GemmFold, f) -> None:
     if pairs:
         _fold_pair_rows(k, g)
     else:
-        k.emit(f"for (int64_t jj = 0; jj < {ch}; ++jj) {g.pack}_real[jj] = 0;  // the elements some row counts")
-        k.emit(f"for (int64_t q = r0; q < r1; ++q) for (int64_t jj = 0; jj < cn; ++jj) "
-               f"{g.pack}_real[jj] |= bel_cnt[q * {ch} + jj];")
+        _counted_flags(k, g)
     ldp = f"{g.pack}_ldp"
     k.block(f"for (int64_t n0 = {lo}; n0 < {hi}; n0 += {ldp})")
     k.emit(f"const int64_t nt = std::min<int64_t>({ldp}, {hi} - n0);")
@@ -832,10 +830,17 @@ def _fold_pair_rows(k, g: GemmFold) -> None:
                   f"{g.pack}_rows[jj] = &{k.tensor_element(str(g.inner.base.label), first)}; {g.pack}_real[jj] = 1;",
                   "cnt")
     k.end("} else {")
-    k.emit(f"  for (int64_t jj = 0; jj < {ch}; ++jj) {g.pack}_real[jj] = 0;  // the elements some row counts")
-    k.emit(f"  for (int64_t q = r0; q < r1; ++q) for (int64_t jj = 0; jj < cn; ++jj) "
+    k.ind += 1
+    _counted_flags(k, g)
+    k.end()
+
+
+def _counted_flags(k, g: GemmFold) -> None:
+    """The fold tile's memo flags where no pair pass set them: the elements some row of the run counts."""
+    ch = k.chunk
+    k.emit(f"for (int64_t jj = 0; jj < {ch}; ++jj) {g.pack}_real[jj] = 0;  // the elements some row counts")
+    k.emit(f"for (int64_t q = r0; q < r1; ++q) for (int64_t jj = 0; jj < cn; ++jj) "
            f"{g.pack}_real[jj] |= bel_cnt[q * {ch} + jj];")
-    k.emit("}")
 
 
 def _tile_or_counted(k, g: GemmFold, tile: str | list[str], packed: str) -> None:
