@@ -370,6 +370,11 @@ MUTANTS: list[Mutant] = [
       "a per-element output is served from the kept terms even where a chunk's ratio is not finite (a leading "
       "chunk of -inf, m = -100: 0 x inf)",
       ("tests/test_per_element_outputs.py", "-k", "softmax"), ),
+    M("cpu-kept-terms-row-in-output-misplaced", "generator/codegen/cpu.py",
+      'tcrow = reinterpret_cast<float*>(&o_{o.name}[{row}]);', 'tcrow = reinterpret_cast<float*>(&o_{o.name}[0]);',
+      "a float32 softmax keeps every row's terms in the output's first row instead of its own: each row is scaled "
+      "from the right terms, but the first row ends as the last row's unscaled terms",
+      ("tests/test_per_element_outputs.py", "-k", "softmax"), ),
     M("cpu-math-lane-sums-avx2-mask", "ops_src/cpu_math.h",
       "  const vi8 lo{0, 1, 8, 9, 4, 5, 12, 13}, hi{2, 3, 10, 11, 6, 7, 14, 15};\n",
       "  const vi8 lo{0, 1, 8, 9, 4, 5, 12, 13}, hi{2, 3, 10, 11, 6, 7, 14, 14};\n",
