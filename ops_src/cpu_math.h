@@ -437,6 +437,124 @@ inline void gemm_tile_nt(REDFUSER_GEMM_ARGS) { gemm_nt_rows<vf4, 2, 4>(M, N, K, 
 #endif
 #undef REDFUSER_GEMM_ARGS
 
+// ------------------------------------------------------------------------------------- e4m3 weight rows x a vector
+// out[n] = sum_k decode(W[n * ldw + k]) * x[k] for n < N, k < K (a GEMV over float8 e4m3fn weights, the one-row case
+// of a quantised GEMM: decoding into a tile and reading it back costs more than the products there). Returns
+// whether some row holds a NaN byte (0x7F / 0xFF): such a row's out[n] is not meaningful, and bad[n] = 1 marks it
+// (the caller sums it again under its own rules); the other rows' bad[n] = 0. The AVX levels decode through
+// float16: the byte's bits shifted into an fp16 (sign to bit 15, exponent and mantissa to bits 13..7) are the value
+// times 2^-8 exactly (normal and subnormal alike), widened by vcvtph2ps, so x is taken times 256 (exact) once.
+// The sums are in 16 (AVX-512) or 8 (AVX2) lanes added by lane_sum, so they round differently from a plain loop.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// one weight row's vector body at each AVX level: elements [k, kn) while a whole vector remains (k advanced past
+// them), NaN bytes or'ed into nan; the products with xs (x times 256) summed into one float
+struct E4m3RowV4 {
+  __attribute__((target("arch=x86-64-v4"))) static float body(const uint8_t* w, const float* xs, int64_t kn,
+                                                                int64_t& k, bool& nan) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    __mmask32 m = 0;
+    const __m256i m7f = _mm256_set1_epi8(0x7F);
+    for (; k + 32 <= kn; k += 32) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
+      m |= _mm256_cmpeq_epi8_mask(_mm256_and_si256(b, m7f), m7f);
+      const __m512i h = _mm512_cvtepu8_epi16(b);
+      const __m512i f16 = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi16(h, 7), _mm512_set1_epi16(0x3F80)),
+                                          _mm512_and_si512(_mm512_slli_epi16(h, 8), _mm512_set1_epi16(-32768)));
+      acc0 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(f16)), _mm512_loadu_ps(xs + k), acc0);
+      acc1 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(f16, 1)), _mm512_loadu_ps(xs + k + 16), acc1);
+    }
+    nan = nan || m != 0;
+    vf16 v, v1;
+    std::memcpy(&v, &acc0, sizeof(v));
+    std::memcpy(&v1, &acc1, sizeof(v1));
+    return lane_sum(v + v1);
+  }
+};
+struct E4m3RowV3 {
+  __attribute__((target("arch=x86-64-v3"))) static float body(const uint8_t* w, const float* xs, int64_t kn,
+                                                                int64_t& k, bool& nan) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    __m128i m = _mm_setzero_si128();
+    const __m128i m7f = _mm_set1_epi8(0x7F);
+    for (; k + 16 <= kn; k += 16) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k));
+      m = _mm_or_si128(m, _mm_cmpeq_epi8(_mm_and_si128(b, m7f), m7f));
+      const __m256i h = _mm256_cvtepu8_epi16(b);
+      const __m256i f16 = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(0x3F80)),
+                                          _mm256_and_si256(_mm256_slli_epi16(h, 8), _mm256_set1_epi16(-32768)));
+      acc0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(f16)), _mm256_loadu_ps(xs + k), acc0);
+      acc1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(f16, 1)), _mm256_loadu_ps(xs + k + 8), acc1);
+    }
+    nan = nan || _mm_movemask_epi8(m) != 0;
+    vf8 v, v1;
+    std::memcpy(&v, &acc0, sizeof(v));
+    std::memcpy(&v1, &acc1, sizeof(v1));
+    return lane_sum(v + v1);
+  }
+};
+// the rows through a level's body, 512 elements of x (times 256) at a time; the tail by the exact decode
+template <class Level>
+inline bool e4m3_row_dots_with(int64_t N, int64_t K, const uint8_t* W, int64_t ldw, const float* x, float* out,
+                               uint8_t* bad) {
+  float xs[512];
+  bool any = false;
+  for (int64_t k0 = 0; k0 < K; k0 += 512) {
+    const int64_t kn = K - k0 < 512 ? K - k0 : 512;
+    for (int64_t k = 0; k < kn; ++k) xs[k] = x[k0 + k] * 256.0f;
+    for (int64_t n = 0; n < N; ++n) {
+      const uint8_t* w = W + n * ldw + k0;
+      for (int64_t k = 0; k < kn; k += 64) __builtin_prefetch(w + 16 * ldw + k);  // row n + 16 (no fault past W)
+      int64_t k = 0;
+      bool b = false;
+      float part = Level::body(w, xs, kn, k, b);
+      for (; k < kn; ++k) {
+        part += e4m3_to_float(w[k]) * x[k0 + k];
+        b = b || (w[k] & 0x7Fu) == 0x7Fu;
+      }
+      out[n] = k0 == 0 ? part : out[n] + part;
+      bad[n] = k0 == 0 ? uint8_t(b) : uint8_t(bad[n] | b);
+      any = any || b;
+    }
+  }
+  return any;
+}
+inline bool e4m3_row_dots_v4(int64_t N, int64_t K, const uint8_t* W, int64_t ldw, const float* x, float* out,
+                             uint8_t* bad) {
+  return e4m3_row_dots_with<E4m3RowV4>(N, K, W, ldw, x, out, bad);
+}
+inline bool e4m3_row_dots_v3(int64_t N, int64_t K, const uint8_t* W, int64_t ldw, const float* x, float* out,
+                             uint8_t* bad) {
+  return e4m3_row_dots_with<E4m3RowV3>(N, K, W, ldw, x, out, bad);
+}
+#endif
+// the plain loop (no AVX: the exact integer decode, one sum per row)
+inline bool e4m3_row_dots_base(int64_t N, int64_t K, const uint8_t* W, int64_t ldw, const float* x, float* out,
+                               uint8_t* bad) {
+  bool any = false;
+  for (int64_t n = 0; n < N; ++n) {
+    const uint8_t* w = W + n * ldw;
+    float s = 0.0f;
+    bool b = false;
+    for (int64_t k = 0; k < K; ++k) {
+      s += e4m3_to_float(w[k]) * x[k];
+      b = b || (w[k] & 0x7Fu) == 0x7Fu;
+    }
+    out[n] = s;
+    bad[n] = b;
+    any = any || b;
+  }
+  return any;
+}
+inline bool e4m3_row_dots(int64_t N, int64_t K, const uint8_t* W, int64_t ldw, const float* x, float* out,
+                          uint8_t* bad) {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+  const int level = x86_level();
+  if (level == 4) return e4m3_row_dots_v4(N, K, W, ldw, x, out, bad);
+  if (level == 3) return e4m3_row_dots_v3(N, K, W, ldw, x, out, bad);
+#endif
+  return e4m3_row_dots_base(N, K, W, ldw, x, out, bad);
+}
+
 // eight consecutive elements widened to float, as one vector: one 32-byte load for float, one 16-byte load and a
 // shift for bf16 (written element by element, GCC assembled pack_transposed's float rows from scalar inserts)
 template <class T>

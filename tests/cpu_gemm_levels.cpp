@@ -166,6 +166,67 @@ static int check_bf16_pairs() {
   return bad;
 }
 
+// e4m3 weight rows x a vector (e4m3_row_dots): every byte value exact in each lane position (a row of zeros but one
+// byte, x = 1 there: the product is the decoded value itself, against the exact integer decode), random rows against
+// a float64 loop for lengths that take the vector body, its tail and chunks of 512 (K up to 1100), and the NaN
+// bytes (0x7F, 0xFF) reported per row wherever they sit (body or tail) while the other rows keep their sums.
+using RowDots = bool (*)(int64_t, int64_t, const uint8_t*, int64_t, const float*, float*, uint8_t*);
+static int check_e4m3_rows(const char* name, RowDots f) {
+  int bad = 0;
+  uint32_t seed = 99;
+  auto rnd = [&seed] { seed = seed * 1664525u + 1013904223u; return seed >> 8; };
+  for (int pos : {0, 5, 31, 32, 47, 63, 70}) {  // body lanes and the tail (K = 71)
+    const int K = 71;
+    std::vector<uint8_t> W(256 * (K + 2), 0);
+    std::vector<float> x(K, 0.0f), out(256);
+    std::vector<uint8_t> nan(256);
+    x[pos] = 1.0f;
+    for (int b = 0; b < 256; ++b) W[b * (K + 2) + pos] = static_cast<uint8_t>(b);
+    const bool any = f(256, K, W.data(), K + 2, x.data(), out.data(), nan.data());
+    if (!any && bad++ < 5) std::printf("%s: NaN bytes not reported (pos %d)\n", name, pos);
+    for (int b = 0; b < 256; ++b) {
+      const bool is_nan = (b & 0x7F) == 0x7F;
+      if (nan[b] != is_nan && bad++ < 5) std::printf("%s: byte %02x at %d: NaN flag %d\n", name, b, pos, int(nan[b]));
+      const float want = rf::e4m3_to_float(static_cast<uint8_t>(b));
+      if (!is_nan && std::fabs(out[b]) != std::fabs(want) && bad++ < 5)
+        std::printf("%s: byte %02x at %d: %g, want %g\n", name, b, pos, out[b], want);
+      if (!is_nan && want != 0.0f && out[b] != want && bad++ < 5)
+        std::printf("%s: byte %02x at %d: %g, want %g\n", name, b, pos, out[b], want);
+    }
+  }
+  for (int N : {1, 3, 17})
+    for (int K : {1, 15, 16, 31, 32, 33, 100, 256, 511, 512, 513, 1100}) {
+      const int64_t ldw = K + 9;
+      std::vector<uint8_t> W(N * ldw);
+      for (auto& v : W) {
+        v = static_cast<uint8_t>(rnd());
+        if ((v & 0x7F) == 0x7F) v ^= 1;  // finite
+      }
+      std::vector<float> x(K), out(N);
+      std::vector<uint8_t> nan(N, 7);
+      for (auto& v : x) v = rf::round_e4m3(static_cast<float>(rnd() % 2000) / 4.0f - 250.0f);
+      const bool nan_row = N == 17 && K >= 2;
+      if (nan_row) W[5 * ldw + K - 1] = 0xFF;  // the last element of row 5: a NaN byte in the tail or the body
+      const bool any = f(N, K, W.data(), ldw, x.data(), out.data(), nan.data());
+      if (any != nan_row && bad++ < 5) std::printf("%s N%d K%d: reported %d\n", name, N, K, int(any));
+      for (int n = 0; n < N; ++n) {
+        const bool want_nan = nan_row && n == 5;
+        if (nan[n] != want_nan && bad++ < 5) std::printf("%s N%d K%d row %d: NaN flag %d\n", name, N, K, n, int(nan[n]));
+        if (want_nan) continue;
+        double r = 0.0, mag = 0.0;
+        for (int k = 0; k < K; ++k) {
+          const double t = double(rf::e4m3_to_float(W[n * ldw + k])) * x[k];
+          r += t;
+          mag += std::fabs(t);
+        }
+        if (std::fabs(out[n] - r) > 1e-6 * mag * (K + 1) && bad++ < 5)
+          std::printf("%s N%d K%d row %d: %g, want %g\n", name, N, K, n, out[n], r);
+      }
+    }
+  std::printf("%s mismatches: %d\n", name, bad);
+  return bad;
+}
+
 int main() {
   int bad = 0;
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -174,6 +235,7 @@ int main() {
     bad += check("gemm_tile_nt_v4", rf::gemm_tile_nt_v4, true);
     bad += check_pack<float>("pack_transposed_v4 float", pack_v4<float>);
     bad += check_pack<rf::bf16_t>("pack_transposed_v4 bf16", pack_v4<rf::bf16_t>);
+    bad += check_e4m3_rows("e4m3_row_dots_v4", rf::e4m3_row_dots_v4);
   } else {
     std::printf("x86-64-v4 not supported here: skipped\n");
   }
@@ -182,11 +244,13 @@ int main() {
     bad += check("gemm_tile_nt_v3", rf::gemm_tile_nt_v3, true);
     bad += check_pack<float>("pack_transposed_v3 float", pack_v3<float>);
     bad += check_pack<rf::bf16_t>("pack_transposed_v3 bf16", pack_v3<rf::bf16_t>);
+    bad += check_e4m3_rows("e4m3_row_dots_v3", rf::e4m3_row_dots_v3);
   } else {
     std::printf("x86-64-v3 not supported here: skipped\n");
   }
   bad += check("gemm_tile_base", rf::gemm_tile_base, false);
   bad += check("gemm_tile_nt_base", rf::gemm_tile_nt_base, true);
+  bad += check_e4m3_rows("e4m3_row_dots_base", rf::e4m3_row_dots_base);
 #else
   bad += check("gemm_tile", rf::gemm_tile, false);
   bad += check("gemm_tile_nt", rf::gemm_tile_nt, true);

@@ -906,6 +906,46 @@ def _prefetch_rows(k, g: GemmFold) -> None:
         k.end()
 
 
+def _e4m3_weight(k, g: GemmFold) -> str | None:
+    """The tensor of an NT fold whose streamed factor is one e4m3 weight W[n, j] read as it is (widened to float32),
+    else None."""
+    e = g.inner.args[0] if isinstance(g.inner, cast_float32) else g.inner
+    if not isinstance(e, sp.Indexed) or k.types.get(str(e.base.label)) != "rf::e4m3_t":
+        return None
+    ir = k.ir
+    return str(e.base.label) if tuple(e.indices) == (ir.indices[g.free], ir.indices[ir.over]) else None
+
+
+def _e4m3_one_row(k, g: GemmFold) -> None:
+    """In an NT fold's column tile: for a run of one row (a GEMV: one token) over an e4m3 weight with unit stride
+    along the chunk, each weight row decoded and dotted with the row's weights in one pass (rf::e4m3_row_dots),
+    instead of decoded into the tile and read back by a one-row GEMM tile (twice the time at M = 1). A weight row
+    with a NaN byte is summed again over the counted elements only, as the tile path's fallback does."""
+    w = _e4m3_weight(k, g)
+    if w is None:
+        return
+    ch, tile = k.chunk, _ntile(k)
+    k.block(f"if (r1 - r0 == 1 && st_{w}[1] == 1)")
+    k.emit("// one row: each weight row decoded and dotted in one pass (no tile to write and read back)")
+    k.emit(f"const float* xq = b{g.wbuf} + r0 * {ch};")
+    k.emit(f"const uint8_t* cnt = bel_cnt + r0 * {ch};")
+    k.emit(f"float* acc = bst_{g.name} + r0 * szf + n0;")
+    k.emit(f"float dots[{tile}];")
+    k.emit(f"uint8_t nanrow[{tile}];")
+    k.emit(f"const uint8_t* wrow = reinterpret_cast<const uint8_t*>(t_{w} + n0 * st_{w}[0] + c0);")
+    k.block(f"if (rf::e4m3_row_dots(nt, cn, wrow, st_{w}[0], xq, dots, nanrow))")
+    k.block("for (int64_t x = 0; x < nt; ++x)")
+    k.emit("if (!nanrow[x]) continue;")
+    k.emit("float s = 0.0f;")
+    k.emit(f"for (int64_t jj = 0; jj < cn; ++jj) if (cnt[jj]) s += rf::e4m3_to_float(wrow[x * st_{w}[0] + jj]) * xq[jj];")
+    k.emit("dots[x] = s;")
+    k.end()
+    k.end()
+    k.emit("for (int64_t x = 0; x < nt; ++x) acc[x] += dots[x];")
+    k.emit("continue;")
+    k.end()
+
+
 def _pack_fold_nt(k, g: GemmFold) -> None:
     """_pack_fold for a factor F[j, n] = W[n, j]: packed [n][element] (contiguous reads of W along the chunk, all
     in bounds: _direct_over_last), then one NT GEMM tile acc[rows, n] += w[rows, j] x pack[n, j]^T. Elements no row
@@ -920,6 +960,7 @@ def _pack_fold_nt(k, g: GemmFold) -> None:
                f"{ch // 2});")
     k.block(f"for (int64_t n0 = {lo}; n0 < {hi}; n0 += {tile})")
     k.emit(f"const int64_t nt = std::min<int64_t>({tile}, {hi} - n0);")
+    _e4m3_one_row(k, g)
     k.emit("uint32_t bad = 0;  // a packed inf/NaN: fold element by element over counted elements only")
     k.block(f"for (int64_t ix_{n} = n0; ix_{n} < n0 + nt; ++ix_{n})")
     k.emit(f"float* dst = {g.pack} + (ix_{n} - n0) * {ch};")
