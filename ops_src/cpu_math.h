@@ -443,7 +443,8 @@ inline void gemm_tile_nt(REDFUSER_GEMM_ARGS) { gemm_nt_rows<vf4, 2, 4>(M, N, K, 
 // whether some row holds a NaN byte (0x7F / 0xFF): such a row's out[n] is not meaningful, and bad[n] = 1 marks it
 // (the caller sums it again under its own rules); the other rows' bad[n] = 0. The AVX levels decode through
 // float16: the byte's bits shifted into an fp16 (sign to bit 15, exponent and mantissa to bits 13..7) are the value
-// times 2^-8 exactly (normal and subnormal alike), widened by vcvtph2ps, so x is taken times 256 (exact) once.
+// times 2^-8 exactly (normal and subnormal alike), widened by vcvtph2ps, so x is taken times 256 (exact) once
+// (a chunk of x with a value past 2^119, which that would overflow, is summed by the exact loop instead).
 // The sums are in 16 (AVX-512) or 8 (AVX2) lanes added by lane_sum, so they round differently from a plain loop.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 // one weight row's vector body at each AVX level: elements [k, kn) while a whole vector remains (k advanced past
@@ -500,13 +501,17 @@ inline bool e4m3_row_dots_with(int64_t N, int64_t K, const uint8_t* W, int64_t l
   bool any = false;
   for (int64_t k0 = 0; k0 < K; k0 += 512) {
     const int64_t kn = K - k0 < 512 ? K - k0 : 512;
-    for (int64_t k = 0; k < kn; ++k) xs[k] = x[k0 + k] * 256.0f;
+    bool huge = false;  // an x past 2^119 would overflow times 256: that chunk takes the exact loop alone
+    for (int64_t k = 0; k < kn; ++k) {
+      xs[k] = x[k0 + k] * 256.0f;
+      huge = huge || std::fabs(x[k0 + k]) > 6.6e35f;
+    }
     for (int64_t n = 0; n < N; ++n) {
       const uint8_t* w = W + n * ldw + k0;
       for (int64_t k = 0; k < kn; k += 64) __builtin_prefetch(w + 16 * ldw + k);  // row n + 16 (no fault past W)
       int64_t k = 0;
       bool b = false;
-      float part = Level::body(w, xs, kn, k, b);
+      float part = huge ? 0.0f : Level::body(w, xs, kn, k, b);
       for (; k < kn; ++k) {
         part += e4m3_to_float(w[k]) * x[k0 + k];
         b = b || (w[k] & 0x7Fu) == 0x7Fu;

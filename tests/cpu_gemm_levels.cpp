@@ -169,7 +169,8 @@ static int check_bf16_pairs() {
 // e4m3 weight rows x a vector (e4m3_row_dots): every byte value exact in each lane position (a row of zeros but one
 // byte, x = 1 there: the product is the decoded value itself, against the exact integer decode), random rows against
 // a float64 loop for lengths that take the vector body, its tail and chunks of 512 (K up to 1100), and the NaN
-// bytes (0x7F, 0xFF) reported per row wherever they sit (body or tail) while the other rows keep their sums.
+// bytes (0x7F, 0xFF) reported per row wherever they sit (body or tail) while the other rows keep their sums, and x
+// past 2^119 (which the AVX levels' x times 256 would overflow) summed finite.
 using RowDots = bool (*)(int64_t, int64_t, const uint8_t*, int64_t, const float*, float*, uint8_t*);
 static int check_e4m3_rows(const char* name, RowDots f) {
   int bad = 0;
@@ -223,6 +224,18 @@ static int check_e4m3_rows(const char* name, RowDots f) {
           std::printf("%s N%d K%d row %d: %g, want %g\n", name, N, K, n, out[n], r);
       }
     }
+  // huge x (past 2^119, where x times 256 would overflow) with small weights: a finite sum
+  for (int K : {40, 600}) {
+    std::vector<uint8_t> W(2 * K, 0x08);  // 2^-6
+    std::vector<float> x(K, 3e37f), out(2);
+    std::vector<uint8_t> nan(2);
+    x[K / 2] = -1.0f;
+    f(2, K, W.data(), K, x.data(), out.data(), nan.data());
+    const double want = (K - 1) * 3e37 / 64.0 - 1.0 / 64.0;
+    for (int n = 0; n < 2; ++n)
+      if (!(std::fabs(out[n] - want) <= 1e-5 * std::fabs(want)) && bad++ < 5)
+        std::printf("%s huge x K%d: %g, want %g\n", name, K, out[n], want);
+  }
   std::printf("%s mismatches: %d\n", name, bad);
   return bad;
 }

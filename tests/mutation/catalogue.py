@@ -381,6 +381,12 @@ MUTANTS: list[Mutant] = [
       "the AVX-512 decode-and-dot rows of a one-token fp8 GEMM no longer report NaN bytes: through fp16 a NaN weight "
       "reads as 480 and its output column comes out finite",
       ("tests/test_fp8_quant_gemm.py", "-k", "nan_weight"), ),
+    M("e4m3-row-dots-huge-x-scaled", "ops_src/cpu_math.h",
+      "      huge = huge || std::fabs(x[k0 + k]) > 6.6e35f;\n",
+      "      (void)huge;\n",
+      "the decode-and-dot rows take x times 256 even past 2^119: a finite sum of huge activations and small weights "
+      "comes out inf",
+      ("tests/test_cpu_math_exhaustive.py", "-k", "x86"), ),
     M("cpu-math-lane-sums-avx2-mask", "ops_src/cpu_math.h",
       "  const vi8 lo{0, 1, 8, 9, 4, 5, 12, 13}, hi{2, 3, 10, 11, 6, 7, 14, 15};\n",
       "  const vi8 lo{0, 1, 8, 9, 4, 5, 12, 13}, hi{2, 3, 10, 11, 6, 7, 14, 14};\n",
