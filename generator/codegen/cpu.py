@@ -455,8 +455,10 @@ class _Kernel:
                       f"than {TCACHE_MAX} keeps none (tc_n 0: every chunk writes the first {ch})")
             self.emit(f"const int64_t tc_n = ex_{ir.over} <= {TCACHE_MAX} ? ex_{ir.over} : 0;")
             self.emit(f"const int64_t tc_chunks = (tc_n + {ch - 1}) / {ch};")
-            self.emit(f"std::vector<float> tcache_v(tc_n + {ch});")
-            self.emit("float* tcache = tcache_v.data();")
+            self.term_out_flag()
+            self.emit("// (not zeroed: every element a row reads back was written by its chunk)")
+            self.emit(f"std::unique_ptr<float[]> tcache_v(new float[tc_out ? 1 : tc_n + {ch}]);")
+            self.emit("float* tcache = tcache_v.get();")
             self.emit("std::vector<float> tcr_v(tc_chunks + 1);")
             self.emit("float* tcr = tcr_v.data();")
             for n, (x, _fresh) in enumerate(self.tcache.states):
@@ -1364,24 +1366,40 @@ class _Kernel:
             self.local[sym] = name
         return reduced
 
-    def term_row(self) -> None:
-        """`tcrow`, where this row's kept terms go (TermCache): the shared buffer, or, where the one output they
-        serve is float32 and its row unit-stride, that output's row itself, which the output then scales in place
-        (the first-touch stores of the output overlap the exps instead of forming a pass of their own)."""
+    def term_output(self) -> Any | None:
+        """The output whose rows hold the kept terms themselves (TermCache), or None: the one output they serve,
+        where it can be float32 (its row is then scaled in place, so the output's first-touch stores overlap the
+        exps instead of forming a pass of their own) and the kernel is not split by columns."""
         tc = self.tcache
-        self.emit("float* tcrow = tcache;")
         if len(tc.ratios) != 1 or self.cols is not None:
-            return
+            return None
         o = next(x for x in self.a.outputs if x.name in tc.ratios)
-        ty, last = self.types[f"out:{o.name}"], len(o.index) - 1
-        if ty != "float" and not ty.startswith("T_"):  # a fixed type other than float32
+        ty = self.types[f"out:{o.name}"]
+        return o if ty == "float" or ty.startswith("T_") else None  # float32, or a type parameter that may be
+
+    def term_out_flag(self) -> None:
+        """`tc_out`: whether this call keeps the terms in the output's rows (term_output; its instance is float32,
+        its rows unit-stride and kept at all), in which case the shared buffer is not allocated."""
+        o = self.term_output()
+        if o is None:
+            self.emit("const bool tc_out = false;")
             return
+        ty, cond = self.types[f"out:{o.name}"], f"tc_n > 0 && ost_{o.name}[{len(o.index) - 1}] == 1"
+        if ty == "float":
+            self.emit(f"const bool tc_out = {cond};")
+            return
+        self.emit("bool tc_out = false;  // the kept terms in the output's rows (a float32 instance only)")
+        self.emit(f"if constexpr (std::is_same<{ty}, float>::value) tc_out = {cond};")
+
+    def term_row(self) -> None:
+        """`tcrow`, where this row's kept terms go: the output's row where tc_out holds, else the shared buffer."""
+        o = self.term_output()
+        if o is None:
+            self.emit("float* tcrow = tcache;")
+            return
+        last = len(o.index) - 1
         row = " + ".join(f"ix_{n} * ost_{o.name}[{d}]" for d, n in enumerate(o.index) if d != last) or "0"
-        if ty != "float":  # a template parameter: only its float instance
-            self.block(f"if constexpr (std::is_same<{ty}, float>::value)")
-        self.emit(f"if (tc_n && ost_{o.name}[{last}] == 1) tcrow = reinterpret_cast<float*>(&o_{o.name}[{row}]);")
-        if ty != "float":
-            self.end()
+        self.emit(f"float* tcrow = tc_out ? reinterpret_cast<float*>(&o_{o.name}[{row}]) : tcache;")
 
     def kept_term(self, f: ReductionForm, t: sp.Basic) -> sp.Basic:
         """t, and for the term cache's sum also stored as element c0 + jj of the row (TermCache)."""
@@ -1704,6 +1722,7 @@ def cpu_source(op: OpAnalysis, header_name: str) -> str:
         "",
         "#include <algorithm>",
         "#include <cmath>",
+        "#include <memory>",
         "#include <type_traits>",
         "#include <vector>",
         "",

@@ -371,7 +371,7 @@ MUTANTS: list[Mutant] = [
       "chunk of -inf, m = -100: 0 x inf)",
       ("tests/test_per_element_outputs.py", "-k", "softmax"), ),
     M("cpu-kept-terms-row-in-output-misplaced", "generator/codegen/cpu.py",
-      'tcrow = reinterpret_cast<float*>(&o_{o.name}[{row}]);', 'tcrow = reinterpret_cast<float*>(&o_{o.name}[0]);',
+      'tc_out ? reinterpret_cast<float*>(&o_{o.name}[{row}])', 'tc_out ? reinterpret_cast<float*>(&o_{o.name}[0])',
       "a float32 softmax keeps every row's terms in the output's first row instead of its own: each row is scaled "
       "from the right terms, but the first row ends as the last row's unscaled terms",
       ("tests/test_per_element_outputs.py", "-k", "softmax"), ),
