@@ -805,7 +805,7 @@ class _Kernel:
     def stream_prefetch(self) -> None:
         """Prefetch of the chunk after next of every input that the element lets read at unit stride along the
         streamed axis: a row kernel reads a chunk and then computes on it, and the hardware's stream prefetch alone
-        leaves it waiting on memory at the next chunk (row_softmax on 32000-long rows: 5-15 %). Addresses past the
+        leaves it waiting on memory at the next chunk (a softmax over 32000-long rows: 5-15 %). Addresses past the
         row (the next row, or past the tensor) are harmless: a prefetch does not fault. Rows of one chunk are a
         plain stream of whole rows, left to the hardware."""
         ir = self.ir
