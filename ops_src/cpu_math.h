@@ -446,6 +446,36 @@ inline void gemm_tile_nt(REDFUSER_GEMM_ARGS) { gemm_nt_rows<vf4, 2, 4>(M, N, K, 
 // times 2^-8 exactly (normal and subnormal alike), widened by vcvtph2ps, so x is taken times 256 (exact) once
 // (a chunk of x with a value past 2^119, which that would overflow, is summed by the exact loop instead).
 // The sums are in 16 (AVX-512) or 8 (AVX2) lanes added by lane_sum, so they round differently from a plain loop.
+// the rows through a level's body (below), 512 elements of x (times 256) at a time; the tail by the exact decode
+template <class Level>
+inline bool e4m3_row_dots_with(int64_t N, int64_t K, const uint8_t* W, int64_t ldw, const float* x, float* out,
+                               uint8_t* bad) {
+  float xs[512];
+  bool any = false;
+  for (int64_t k0 = 0; k0 < K; k0 += 512) {
+    const int64_t kn = K - k0 < 512 ? K - k0 : 512;
+    bool huge = false;  // an x past 2^119 would overflow times 256: that chunk takes the exact loop alone
+    for (int64_t k = 0; k < kn; ++k) {
+      xs[k] = x[k0 + k] * 256.0f;
+      huge = huge || std::fabs(x[k0 + k]) > 6.6e35f;
+    }
+    for (int64_t n = 0; n < N; ++n) {
+      const uint8_t* w = W + n * ldw + k0;
+      for (int64_t k = 0; k < kn; k += 64) __builtin_prefetch(w + 16 * ldw + k);  // row n + 16 (no fault past W)
+      int64_t k = 0;
+      bool b = false;
+      float part = huge ? 0.0f : Level::body(w, xs, kn, k, b);
+      for (; k < kn; ++k) {
+        part += e4m3_to_float(w[k]) * x[k0 + k];
+        b = b || (w[k] & 0x7Fu) == 0x7Fu;
+      }
+      out[n] = k0 == 0 ? part : out[n] + part;
+      bad[n] = k0 == 0 ? uint8_t(b) : uint8_t(bad[n] | b);
+      any = any || b;
+    }
+  }
+  return any;
+}
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 // one weight row's vector body at each AVX level: elements [k, kn) while a whole vector remains (k advanced past
 // them), NaN bytes or'ed into nan; the products with xs (x times 256) summed into one float
@@ -493,36 +523,6 @@ struct E4m3RowV3 {
     return lane_sum(v + v1);
   }
 };
-// the rows through a level's body, 512 elements of x (times 256) at a time; the tail by the exact decode
-template <class Level>
-inline bool e4m3_row_dots_with(int64_t N, int64_t K, const uint8_t* W, int64_t ldw, const float* x, float* out,
-                               uint8_t* bad) {
-  float xs[512];
-  bool any = false;
-  for (int64_t k0 = 0; k0 < K; k0 += 512) {
-    const int64_t kn = K - k0 < 512 ? K - k0 : 512;
-    bool huge = false;  // an x past 2^119 would overflow times 256: that chunk takes the exact loop alone
-    for (int64_t k = 0; k < kn; ++k) {
-      xs[k] = x[k0 + k] * 256.0f;
-      huge = huge || std::fabs(x[k0 + k]) > 6.6e35f;
-    }
-    for (int64_t n = 0; n < N; ++n) {
-      const uint8_t* w = W + n * ldw + k0;
-      for (int64_t k = 0; k < kn; k += 64) __builtin_prefetch(w + 16 * ldw + k);  // row n + 16 (no fault past W)
-      int64_t k = 0;
-      bool b = false;
-      float part = huge ? 0.0f : Level::body(w, xs, kn, k, b);
-      for (; k < kn; ++k) {
-        part += e4m3_to_float(w[k]) * x[k0 + k];
-        b = b || (w[k] & 0x7Fu) == 0x7Fu;
-      }
-      out[n] = k0 == 0 ? part : out[n] + part;
-      bad[n] = k0 == 0 ? uint8_t(b) : uint8_t(bad[n] | b);
-      any = any || b;
-    }
-  }
-  return any;
-}
 inline bool e4m3_row_dots_v4(int64_t N, int64_t K, const uint8_t* W, int64_t ldw, const float* x, float* out,
                              uint8_t* bad) {
   return e4m3_row_dots_with<E4m3RowV4>(N, K, W, ldw, x, out, bad);
@@ -532,23 +532,13 @@ inline bool e4m3_row_dots_v3(int64_t N, int64_t K, const uint8_t* W, int64_t ldw
   return e4m3_row_dots_with<E4m3RowV3>(N, K, W, ldw, x, out, bad);
 }
 #endif
-// the plain loop (no AVX: the exact integer decode, one sum per row)
+// no AVX: no vector body, every element through the exact integer decode
+struct E4m3RowExact {
+  static float body(const uint8_t*, const float*, int64_t, int64_t&, bool&) { return 0.0f; }
+};
 inline bool e4m3_row_dots_base(int64_t N, int64_t K, const uint8_t* W, int64_t ldw, const float* x, float* out,
                                uint8_t* bad) {
-  bool any = false;
-  for (int64_t n = 0; n < N; ++n) {
-    const uint8_t* w = W + n * ldw;
-    float s = 0.0f;
-    bool b = false;
-    for (int64_t k = 0; k < K; ++k) {
-      s += e4m3_to_float(w[k]) * x[k];
-      b = b || (w[k] & 0x7Fu) == 0x7Fu;
-    }
-    out[n] = s;
-    bad[n] = b;
-    any = any || b;
-  }
-  return any;
+  return e4m3_row_dots_with<E4m3RowExact>(N, K, W, ldw, x, out, bad);
 }
 inline bool e4m3_row_dots(int64_t N, int64_t K, const uint8_t* W, int64_t ldw, const float* x, float* out,
                           uint8_t* bad) {
