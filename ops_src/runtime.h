@@ -347,11 +347,12 @@ inline float bits_float(uint32_t u) {
 
 inline float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
 
+// (one select, no branch, so that loops over it vectorise)
 inline uint16_t float_to_bf16(float f) {
   const uint32_t u = float_bits(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);  // NaN
-  const uint32_t rounded = u + 0x7FFFu + ((u >> 16) & 1u);  // ties to even; overflow -> inf
-  return static_cast<uint16_t>(rounded >> 16);
+  const uint32_t quiet = (u >> 16) | 0x0040u;               // a NaN stays a (quiet) NaN
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;  // ties to even; overflow -> inf
+  return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
 }
 
 inline float half_to_float(uint16_t h) {

@@ -243,8 +243,8 @@ MUTANTS: list[Mutant] = [
       "issue 17 (d): NaN keys rank before every other key in the CPU selections (top-k routing picks NaN experts)",
       ("tests/test_dtype_exact.py", "-k", "nan_rows"), ),
     M("runtime-bf16-store-truncates", "ops_src/runtime.h",
-      "  const uint32_t rounded = u + 0x7FFFu + ((u >> 16) & 1u);  // ties to even; overflow -> inf\n",
-      "  const uint32_t rounded = u;\n",
+      "  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;  // ties to even; overflow -> inf\n",
+      "  const uint32_t rounded = u >> 16;\n",
       "bf16 stores truncate instead of rounding to nearest even",
       ("tests/test_dtype_exact.py", "-k", "half_output"), ),
     M("cpu-math-sigmoid-sign", "ops_src/cpu_math.h",
@@ -320,7 +320,8 @@ MUTANTS: list[Mutant] = [
       ("tests/test_cpu_math_exhaustive.py", "-k", "x86"), ),
     # the bf16 pair tiles run only on a CPU with AVX512_BF16: elsewhere these four survive (the float tiles run)
     M("cpu-math-bf16-pairs-odd-tail-dropped", "ops_src/cpu_math.h",
-      "    if (K % 2) d[K / 2] = float_to_bf16(s[K - 1]);\n", "",
+      "    for (int64_t k = 0; k < K; ++k) d[k] = float_to_bf16(s[k]);\n",
+      "    for (int64_t k = 0; k < K / 2 * 2; ++k) d[k] = float_to_bf16(s[k]);\n",
       "the bf16 pairs of a fold's weights leave the last pair unwritten where a chunk has an odd number of elements: "
       "the last key of a tail is weighted by a stale value (AVX512_BF16 CPUs)",
       ATTN, ),
@@ -381,6 +382,12 @@ MUTANTS: list[Mutant] = [
       "the AVX-512 decode-and-dot rows of a one-token fp8 GEMM no longer report NaN bytes: through fp16 a NaN weight "
       "reads as 480 and its output column comes out finite",
       ("tests/test_fp8_quant_gemm.py", "-k", "nan_weight"), ),
+    M("cpu-exp-float-scale-overflows", "ops_src/cpu_math.h",
+      "  float y = bits_float(float_bits(p) + (static_cast<uint32_t>(ni) << 23));\n",
+      "  float y = p * bits_float(static_cast<uint32_t>(ni + 127) << 23);\n",
+      "exp scales by a float 2^n, which is +inf at n = 128: exp(x) for x in (88.38, 88.72] comes out inf where it is "
+      "a finite float",
+      ("tests/test_cpu_math_exhaustive.py", "-k", "exp"), ),
     M("e4m3-row-dots-huge-x-scaled", "ops_src/cpu_math.h",
       "      huge = huge || std::fabs(x[k0 + k]) > 6.6e35f;\n",
       "      (void)huge;\n",
