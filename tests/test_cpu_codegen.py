@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from generator.codegen.cpu import cpu_source
-from generator.codegen.cpu_tiles import SCHUNK
+from generator.codegen.cpu_tiles import SCHUNK, SCHUNK_OPEN
 from generator.spec import load_spec, parse_spec
 from generator.symbolic import derive
 
@@ -145,10 +145,15 @@ def test_lets_read_by_the_mask_are_computed_before_it():
 def test_attention_contraction_and_weighted_sum_are_gemm_tiles():
     src = cpu_source(derive(load_spec(ROOT / "specs" / "fused_attention.yaml")), "fused_attention_cpu.h")
     assert "static void rows_case" not in src
-    C = SCHUNK  # the chunk of block kernels with a GEMM sum
     # the tiles are kept for the call where the query rows of a head (or GQA group) are more than one block
     assert src.count("const bool memo_on = ex_i > rb_n;") == 2
-    for body in _block_loop_bodies(src):
+    bodies = _block_loop_bodies(src)
+    assert len(bodies) == 2
+    # the chunk of block kernels with a GEMM sum: longer where no mask hides elements (causal=false), so that the
+    # per-chunk row passes are amortised; the causal specialisation keeps the shorter one (less masked work)
+    assert "const bool ok = true;" in bodies[0] and "const bool ok = true;" not in bodies[1]
+    for body, C in zip(bodies, (SCHUNK_OPEN, SCHUNK)):
+        assert f"for (int64_t c0 = 0; c0 < ex_j; c0 += {C})" in body
         # rows are walked with the K/V indices (b, and h through the GQA head g) outermost; runs share the key
         assert "walked in the order (b, h, i)" in body
         assert "rkey[rb * 2 + 0] = static_cast<double>(ix_b);" in body

@@ -26,6 +26,7 @@ SHAPES = [
     (128, 217),  # whole row blocks, key tail
     (200, 256),  # exact chunk multiple over 4 chunks, causal skips whole chunks
     (257, 192),  # Sq > Sk by 65: a whole row block of causal rows that see no key
+    (40, 600),   # several of the CPU's longest chunks (256 keys, full attention) and a tail: the online correction
 ]
 # the large shapes of the earlier suite: on the CPU the same paths at minutes of CPU time, marked slow there (run them
 # with `pytest -m slow`); on CUDA (many q-blocks and key tiles, the split heuristic) they stay in the default run
