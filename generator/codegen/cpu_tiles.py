@@ -84,7 +84,9 @@ def block_chunk(k) -> int:
     mask hides part of a chunk from a row (causal attention at the diagonal) the hidden part is computed and
     dropped, and that waste grows with the chunk. Measured on fused_attention at 1 thread (alternating runs, Zen 4):
     256 against 128, full attention 6-8 % faster (bf16 and fp32, d64 and d128), causal 3-21 % slower; 512 slower
-    than 128 on both."""
+    than 128 on both. The rule also gives 256 to decode (no mask), where runs are a GQA group of a few rows and
+    nothing is amortised: 5-8 % slower at 4 rows per run (memory-bound; the chunk is fixed when the kernel is
+    emitted, the run length known only at run time)."""
     from .cpu import CHUNK
 
     if any(_nt_fold(k, g) for g in k.plan.folds.values()):
