@@ -82,7 +82,7 @@ def block_chunk(k) -> int:
     statically true, else SCHUNK. Each chunk costs every row of the block its passes over the chunk's scores (mask,
     max, exp, sum, the online correction of the free state), so fewer, longer chunks amortise that; but where a
     mask hides part of a chunk from a row (causal attention at the diagonal) the hidden part is computed and
-    dropped, and that waste grows with the chunk. Measured on fused_attention at 1 thread (alternating runs, Zen 4):
+    dropped, and that waste grows with the chunk. Measured on the attention spec at 1 thread (alternating runs, Zen 4):
     256 against 128, full attention 6-8 % faster (bf16 and fp32, d64 and d128), causal 3-21 % slower; 512 slower
     than 128 on both. The rule also gives 256 to decode (no mask), where runs are a GQA group of a few rows and
     nothing is amortised: 5-8 % slower at 4 rows per run (memory-bound; the chunk is fixed when the kernel is
