@@ -34,12 +34,15 @@ def sliding_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, softc
 
 def softmax_cross_entropy(logits: Tensor, target: Tensor, label_smoothing: float = 0.0, ignore_index: int = -100,
                           dtype: torch.dtype = torch.float64) -> Tensor:
-    """loss[t] = (1 - eps) * (lse_t - x[t, target_t]) + eps * (lse_t - mean_e x[t, e]); 0 where target == ignore."""
+    """loss[t] = (1 - eps) * (lse_t - x[t, target_t]) + eps * (lse_t - mean_e x[t, e]) (without the mean where
+    eps = 0, as torch: a -inf logit would make it -inf and the loss NaN); 0 where target == ignore."""
     x = logits.to(dtype)
     lse = torch.logsumexp(x, dim=-1)
     ignored = target == ignore_index
     picked = x.gather(-1, torch.where(ignored, 0, target).long()[:, None])[:, 0]
-    loss = (1 - label_smoothing) * (lse - picked) + label_smoothing * (lse - x.mean(dim=-1))
+    loss = lse - picked
+    if label_smoothing > 0:
+        loss = (1 - label_smoothing) * loss + label_smoothing * (lse - x.mean(dim=-1))
     return torch.where(ignored, torch.zeros((), dtype=dtype), loss)
 
 

@@ -35,3 +35,29 @@ def test_cross_entropy_of_shifted_rows(shift, T, V):
     ref = torch.nn.functional.cross_entropy(x.double(), target, reduction="none")
     # the loss is lse - x[target]: both near the shift, so float32 inputs carry an absolute error ~ |shift| * 2^-24
     assert ((out - ref).abs() <= 4 * abs(shift) * 2.0**-24 + 1e-4).all(), (out - ref).abs().max().item()
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("V", [50, 3000])
+def test_cross_entropy_with_masked_classes(device, eps, V):
+    """Classes masked out with -inf logits (constrained decoding, padded vocabularies): without label smoothing the
+    loss is finite, as in torch (the mean of the logits, -inf there, takes no part: 0 * inf made it NaN); with it
+    the smoothing term is +inf; a -inf target logit makes the loss +inf either way."""
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(6, V, generator=g) * 3
+    x[:, 1::7] = float("-inf")
+    x[5, :] = float("-inf")
+    x[5, 3] = 1.0  # one class left
+    target = torch.tensor([0, 2, V - 1, 1, 8, 3])  # row 3's and row 4's targets are masked classes (1, 8)
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype).to(device)
+        out = torch.ops.redfuser.softmax_cross_entropy(xd, target.to(device), eps).double().cpu()
+        ref = torch.nn.functional.cross_entropy(x.to(dtype).double(), target, reduction="none", label_smoothing=eps)
+        assert torch.equal(out.isinf(), ref.isinf()) and not out.isnan().any(), (out, ref)
+        fin = ref.isfinite()
+        assert fin.sum() == (0 if eps else 4)
+        assert ((out[fin] - ref[fin]).abs() <= 1e-5 * ref[fin].abs() + 1e-5).all(), (out, ref)
