@@ -233,3 +233,44 @@ def test_few_rows_share_fold_columns_across_tasks():
     src = cpu_source(derive(load_spec(ROOT / "specs" / "fused_attention.yaml")), "fused_attention_cpu.h")
     for body in _block_loop_bodies(src):
         assert re.search(r"if \(cpart == 0\) \{\n\s*rf::store\(&o_lse\[", body)
+
+
+def _masked_cross_entropy_source() -> str:
+    """Cross-entropy over the first n[t] classes of each row (a mask): the one-hot sum must stay in the element loop,
+    where the mask decides whether the target's element counts."""
+    text = (ROOT / "tests" / "specs" / "cross_entropy.yaml").read_text()
+    text = text.replace('labels: {shape: [T], dtype: [int32], values: "[0, V)"}',
+                        'labels: {shape: [T], dtype: [int32], values: "[0, V)"}\n  n: {shape: [T], dtype: [int32], '
+                        'values: "[0, V]"}')
+    text = text.replace('    x: "logits[t, e]"\n', '    x: "logits[t, e]"\n  mask: "e < n[t]"\n')
+    assert "mask:" in text and "n: {" in text
+    return cpu_source(derive(parse_spec(text, "masked_cross_entropy.yaml")), "masked_cross_entropy_cpu.h")
+
+
+def test_one_hot_sum_is_read_at_its_index():
+    """A sum that picks one element by its index, sum(where(e == target[t], x, 0)), is read once per row at e =
+    target[t] after the pass, in bounds only (0 otherwise), instead of a 64-bit compare and select per element; a
+    masked row keeps it in the element loop (the mask decides whether that element counts)."""
+    for spec, state in (("specs/softmax_cross_entropy.yaml", "xt"), ("tests/specs/cross_entropy.yaml", "xt")):
+        src = cpu_source(derive(load_spec(ROOT / spec)), "x_cpu.h")
+        (body,) = _row_loop_bodies(src)
+        assert "(ix_e ==" not in body
+        reads = re.findall(r"const int64_t ix_e = rf::ld\(t_\w+\[\(ix_t\) \* st_\w+\[0\]\]\);\n\s*"
+                           rf"if \(ix_e >= 0 && ix_e < ex_e\) st_{state} = st_{state} \+ rf::ld\(t_\w+\[", body)
+        assert len(reads) == 1, body
+        # after the chunk loop, before the output
+        assert body.index("for (int64_t c0 = 0;") < body.index("if (ix_e >= 0") < body.index("// output")
+    body = _row_loop_bodies(_masked_cross_entropy_source())[0]
+    assert "if (ix_e >= 0" not in body and "rf::sel((ix_e == rf::ld(t_labels[" in body
+
+
+def test_lane_loops_stay_loops_until_vectorised():
+    """Every LANES-wide loop of a branch-free reduction carries `#pragma GCC unroll 1`: unrolled before the
+    vectoriser saw it, gcc 12 vectorised the loop over lane groups instead, across lanes, with a transpose per
+    group (cross-entropy 28 % slower)."""
+    for spec in ("softmax_cross_entropy", "logsumexp", "row_softmax", "moe_route"):
+        src = cpu_source(derive(load_spec(ROOT / "specs" / f"{spec}.yaml")), "x_cpu.h")
+        heads = re.findall(r"for \(; jl \+ 16 <= cn; jl \+= 16\) \{\n(.*)\n(.*)\n", src)
+        assert heads, spec
+        for pragma, loop in heads:
+            assert pragma.strip() == "#pragma GCC unroll 1" and loop.strip() == "for (int u = 0; u < 16; ++u) {", spec

@@ -46,6 +46,24 @@ def test_cross_entropy_matches_reference(T, V, eps, index_dtype):
         assert torch.allclose(ref, tl, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cross_entropy_targets_at_the_edges_of_the_row(dtype):
+    """Targets at the first and last class and on both sides of the CPU kernel's 512-element chunks (it reads the
+    target's logit once per row at its index rather than selecting it from every element); a target logit of -inf
+    gives an infinite loss and a NaN one a NaN loss."""
+    V = 1537
+    targets = [0, V - 1, 0, 1, 510, 511, 512, 513, 1023, 1024, 1535, V - 1]
+    gen = torch.Generator().manual_seed(11)
+    x = (4 * torch.randn(len(targets), V, generator=gen)).to(dtype)
+    x[0, 0] = float("-inf")
+    x[1, V - 1] = float("nan")
+    target = torch.tensor(targets)
+    for eps in (0.0, 0.1):
+        out = torch.ops.redfuser.softmax_cross_entropy(x, target, eps)
+        assert out[0] == float("inf") and out[1].isnan()
+        judge(out[2:], ce_reference(x[2:], target[2:], eps), ce_reference(x[2:], target[2:], eps, dtype=dtype))
+
+
 def test_cross_entropy_ignore_index_and_default_arguments():
     gen = torch.Generator().manual_seed(2)
     x = logits_of(9, 50, torch.float32, gen)

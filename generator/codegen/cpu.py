@@ -730,12 +730,49 @@ class _Kernel:
             return
         self.pass_body(number, forms)
 
+    def point_sum(self, f: ReductionForm) -> tuple[sp.Expr, sp.Expr] | None:
+        """(g, value) for a sum whose term picks one element of the row by its index, value where over == g else 0,
+        with g free of the streamed index (a cross-entropy's target logit): the sum is value at over = g where g is
+        in the row, else 0, read once per row after the pass instead of selected from every element (a 64-bit
+        compare and a select per element). Row kernels without a mask only, for a sum that nothing reads during
+        its pass."""
+        over = self.ir.indices[self.ir.over]
+        if (self.plan is not None or self.ir.mask not in (sp.true, True) or f.op != "sum" or f.stage != "stream"
+                or f.selection or f.free or f.payloads or f.online_deps or f.kind != "none"
+                or f.where not in (sp.true, True) or not isinstance(f.term, sp.Piecewise) or len(f.term.args) != 2
+                or any(f.name in g.online_deps for g in self.a.reductions)):
+            return None
+        (value, cond), (other, rest) = f.term.args
+        if other != 0 or rest not in (sp.true, True) or not isinstance(cond, sp.Eq):
+            return None
+        g = cond.rhs if cond.lhs == over else cond.lhs if cond.rhs == over else None
+        if g is None or over in g.free_symbols:
+            return None
+        lets = {let.symbol: let.expr for let in self.ir.element_lets}
+        for _ in range(len(lets) + 1):  # the element lets written out, so that the value reads at over = g
+            value = value.xreplace(lets)
+        if value.free_symbols & set(lets) or value.atoms(sp.Sum):
+            return None
+        return g, value
+
+    def point_sums(self, forms: list[ReductionForm]) -> None:
+        """After a pass: each point_sum read at its one element (see there)."""
+        over = self.ir.over
+        for f in forms:
+            g, value = self.point_sum(f)
+            self.block("")
+            self.emit(f"const int64_t ix_{over} = {self.pr(g)};")
+            self.emit(f"if (ix_{over} >= 0 && ix_{over} < ex_{over}) st_{f.name} = st_{f.name} + {self.pr.flt(value)};")
+            self.end()
+
     def pass_body(self, number: int, forms: list[ReductionForm]) -> None:
         a = self.a
         for f in forms:
             self.init_state(f)
             if f.name in self.byv:
                 self.by_value_flag(f)
+        points = [f for f in forms if self.point_sum(f) is not None]
+        forms = [f for f in forms if f not in points]
         if forms:
             self.block(f"for (int64_t c0 = 0; c0 < ex_{self.ir.over}; c0 += {self.chunk})")
             self.emit(f"const int64_t cn = std::min<int64_t>({self.chunk}, ex_{self.ir.over} - c0);")
@@ -744,6 +781,8 @@ class _Kernel:
             self.element_prologue(forms)
             self.chunk_levels(forms)
             self.end()
+        self.point_sums(points)
+        forms += points
         for f in forms:
             if not f.free and not f.selection:
                 self.emit_guard(f.name, None)
@@ -1101,6 +1140,9 @@ class _Kernel:
             kept = {k: v for k, v in self.local.items() if k not in before}
             self.emit("int64_t jl = 0;")
             self.block(f"for (; jl + {LANES} <= cn; jl += {LANES})")
+            # the lane loop must stay a loop until the vectoriser sees it (one vector op per element op): fully
+            # unrolled early, gcc vectorised the jl loop instead, across lanes, with a transpose per step
+            self.emit("#pragma GCC unroll 1")
             self.block(f"for (int u = 0; u < {LANES}; ++u)")
             self.emit("const int64_t jj = jl + u;")
             self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
