@@ -61,3 +61,27 @@ def test_cross_entropy_with_masked_classes(device, eps, V):
         fin = ref.isfinite()
         assert fin.sum() == (0 if eps else 4)
         assert ((out[fin] - ref[fin]).abs() <= 1e-5 * ref[fin].abs() + 1e-5).all(), (out, ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("V", [1, 50, 3000])
+def test_logsumexp_of_rows_with_infinities(device, V):
+    """log(sum(exp(x))) of a row holding +inf is +inf, as in torch (the online form's l is exp(inf - inf) = NaN
+    there); a row of -inf gives -inf, a -inf element is a 0 term, a NaN makes the row NaN."""
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(6, V, generator=g) * 3
+    x[0, V // 2] = float("inf")
+    x[1, :] = float("-inf")
+    x[2, ::2] = float("-inf")
+    x[3, 0] = float("nan")
+    x[4, -1] = float("inf")
+    x[4, 0] = float("-inf")
+    x[5, 0] = float("inf")
+    x[5, -1] = float("nan")
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.ops.redfuser.logsumexp(x.to(dtype).to(device)).double().cpu()
+        ref = torch.logsumexp(x.to(dtype).double(), dim=-1)
+        assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isposinf(), ref.isposinf()), (out, ref)
+        assert torch.equal(out.isneginf(), ref.isneginf()), (out, ref)
+        fin = ref.isfinite()
+        assert ((out[fin] - ref[fin]).abs() <= 1e-5 * ref[fin].abs() + 1e-5).all(), (out, ref)
