@@ -262,6 +262,12 @@ def test_one_hot_sum_is_read_at_its_index():
         assert body.index("for (int64_t c0 = 0;") < body.index("if (ix_e >= 0") < body.index("// output")
     body = _row_loop_bodies(_masked_cross_entropy_source())[0]
     assert "if (ix_e >= 0" not in body and "rf::sel((ix_e == rf::ld(t_labels[" in body
+    # compared with a float (which an index equals only where it is integral): kept as a select too
+    text = (ROOT / "tests" / "specs" / "cross_entropy.yaml").read_text()
+    text = text.replace('labels: {shape: [T], dtype: [int32], values: "[0, V)"}', "labels: {shape: [T], dtype: [float32]}")
+    assert "dtype: [float32]}" in text
+    body = _row_loop_bodies(cpu_source(derive(parse_spec(text, "float_labels.yaml")), "float_labels_cpu.h"))[0]
+    assert "if (ix_e >= 0" not in body and re.search(r"rf::sel\(\(static_cast<float>\(ix_e\) == hv\d+\)", body)
 
 
 def test_lane_loops_stay_loops_until_vectorised():

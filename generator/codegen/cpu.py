@@ -746,7 +746,7 @@ class _Kernel:
         if other != 0 or rest not in (sp.true, True) or not isinstance(cond, sp.Eq):
             return None
         g = cond.rhs if cond.lhs == over else cond.lhs if cond.rhs == over else None
-        if g is None or over in g.free_symbols:
+        if g is None or over in g.free_symbols or g.is_integer is not True:  # e == 2.5 holds nowhere: no index
             return None
         lets = {let.symbol: let.expr for let in self.ir.element_lets}
         for _ in range(len(lets) + 1):  # the element lets written out, so that the value reads at over = g
