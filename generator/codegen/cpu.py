@@ -755,14 +755,13 @@ class _Kernel:
             return None
         return g, value
 
-    def point_sums(self, forms: list[ReductionForm]) -> None:
-        """After a pass: each point_sum read at its one element (see there)."""
+    def point_sums(self, points: dict[str, tuple[sp.Expr, sp.Expr]]) -> None:
+        """After a pass: each point_sum, {sum: (g, value)}, read at its one element (see there)."""
         over = self.ir.over
-        for f in forms:
-            g, value = self.point_sum(f)
+        for name, (g, value) in points.items():
             self.block("")
             self.emit(f"const int64_t ix_{over} = {self.pr(g)};")
-            self.emit(f"if (ix_{over} >= 0 && ix_{over} < ex_{over}) st_{f.name} = st_{f.name} + {self.pr.flt(value)};")
+            self.emit(f"if (ix_{over} >= 0 && ix_{over} < ex_{over}) st_{name} = st_{name} + {self.pr.flt(value)};")
             self.end()
 
     def pass_body(self, number: int, forms: list[ReductionForm]) -> None:
@@ -771,18 +770,17 @@ class _Kernel:
             self.init_state(f)
             if f.name in self.byv:
                 self.by_value_flag(f)
-        points = [f for f in forms if self.point_sum(f) is not None]
-        forms = [f for f in forms if f not in points]
-        if forms:
+        points = {f.name: p for f in forms if (p := self.point_sum(f)) is not None}
+        streamed = [f for f in forms if f.name not in points]
+        if streamed:
             self.block(f"for (int64_t c0 = 0; c0 < ex_{self.ir.over}; c0 += {self.chunk})")
             self.emit(f"const int64_t cn = std::min<int64_t>({self.chunk}, ex_{self.ir.over} - c0);")
             if self.plan is None:
                 self.stream_prefetch()
-            self.element_prologue(forms)
-            self.chunk_levels(forms)
+            self.element_prologue(streamed)
+            self.chunk_levels(streamed)
             self.end()
         self.point_sums(points)
-        forms += points
         for f in forms:
             if not f.free and not f.selection:
                 self.emit_guard(f.name, None)

@@ -273,8 +273,8 @@ MUTANTS: list[Mutant] = [
       "the vectorised reduction forgets the scalar remainder after its LANES-wide loop",
       ROWS, ),
     M("cpu-point-sum-misses-last-element", "generator/codegen/cpu.py",
-      'self.emit(f"if (ix_{over} >= 0 && ix_{over} < ex_{over}) st_{f.name} = st_{f.name} + {self.pr.flt(value)};")',
-      'self.emit(f"if (ix_{over} >= 0 && ix_{over} + 1 < ex_{over}) st_{f.name} = st_{f.name} + {self.pr.flt(value)};")',
+      'self.emit(f"if (ix_{over} >= 0 && ix_{over} < ex_{over}) st_{name} = st_{name} + {self.pr.flt(value)};")',
+      'self.emit(f"if (ix_{over} >= 0 && ix_{over} + 1 < ex_{over}) st_{name} = st_{name} + {self.pr.flt(value)};")',
       "a one-hot sum read at its index (a cross-entropy's target logit) takes the last element of the row for out of "
       "bounds: a token whose target is the last class loses its logit",
       ROWS, ),
