@@ -626,17 +626,29 @@ __attribute__((always_inline)) inline bool is_finite_bits(float v) { return (flo
 
 // ------------------------------------------------------------------------------------------ bf16 pair tiles
 // Where the CPU has AVX512_BF16 (Zen 4, Cooper Lake, Sapphire Rapids and later), the GEMM tiles of a block kernel
-// over bf16 operands multiply them as pairs of bf16 (vdpbf16ps: two products added into each float lane, with
-// float accumulation), twice the products per instruction of the float tile on their widened values: on a Zen 4
-// EPYC, tile 128 x 128 x 128 at 1 thread, 108 -> 220 GFLOP/s. The operands are uint32 words holding elements 2p
-// (low half) and 2p + 1 (high half) of the contraction. The instruction takes subnormal bf16 inputs as 0, flushes
-// subnormal results and rounds to nearest-even, whatever MXCSR says. REDFUSER_CPU_BF16_DOT=0 (read once per
-// process) keeps the float tiles, as on CPUs without it.
+// over bf16 operands can multiply them as pairs of bf16 (vdpbf16ps: two products added into each float lane, with
+// float accumulation), twice the products per instruction of the float tile on their widened values. The
+// operands are uint32 words holding elements 2p (low half) and 2p + 1 (high half) of the contraction. The
+// instruction takes subnormal bf16 inputs as 0, flushes subnormal results and rounds to nearest-even, whatever
+// MXCSR says. Whether that is faster depends on the core, not on the flag: measured at 1 thread, tile 128 x 256 x
+// 128 in L1/L2, on a Zen 4 EPYC 108 -> 220 GFLOP/s (pairs twice the float tile), on a Xeon with AVX512_BF16 and
+// AVX512_FP16 (family 6 model 207, no AMX exposed) 83 against the float tile's 178 (vdpbf16ps issues at half the
+// rate of the FMAs there): bf16 attention 1.4x and fp8_quant_gemm at M 128 1.2-1.4x faster with the float tiles.
+// So the kernels use the pairs by default on AMD CPUs only; REDFUSER_CPU_BF16_DOT (read once per process) = 0
+// keeps the float tiles everywhere, = 1 takes the pairs wherever the instruction exists.
+inline bool bf16_dot_supported() {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+  return x86_level() == 4 && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
 inline bool bf16_dot() {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
   static const bool on = [] {
     const char* e = std::getenv("REDFUSER_CPU_BF16_DOT");
-    return x86_level() == 4 && __builtin_cpu_supports("avx512bf16") && !(e != nullptr && std::strcmp(e, "0") == 0);
+    if (!bf16_dot_supported() || (e != nullptr && std::strcmp(e, "0") == 0)) return false;
+    return (e != nullptr && std::strcmp(e, "1") == 0) || __builtin_cpu_is("amd");
   }();
   return on;
 #else

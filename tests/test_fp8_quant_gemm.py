@@ -161,11 +161,12 @@ def test_cpu_nan_weight_in_long_and_short_runs(threads):
 
 def test_cpu_bf16_pair_tiles_and_float_tiles(tmp_path):
     """The quantised activations (e4m3) and the fp8 weight are bf16 values, so where the CPU has AVX512_BF16 the
-    block kernel multiplies a long run of rows (more than 32) as pairs of bf16 (rf::gemm_tile_bf16) with the float
-    tile's products exactly: the two paths (REDFUSER_CPU_BF16_DOT=0 keeps the float tiles) differ only in the order
-    of float sums, far inside the reference rule; elsewhere they are the same code and equal. K tails of the chunk,
-    odd M, a NaN row and a zero row."""
-    from cpu_features import bf16_pair_tiles, ops_in_subprocess
+    block kernel can multiply a long run of rows (more than 32) as pairs of bf16 (rf::gemm_tile_bf16) with the float
+    tile's products exactly: REDFUSER_CPU_BF16_DOT=1 takes the pairs, 0 keeps the float tiles, the default takes the
+    pairs on AMD CPUs only (rf::bf16_dot). The two paths differ only in the order of float sums, far inside the
+    reference rule; without the instruction they are the same code and equal; the default run is the one bf16_dot
+    picks here. K tails of the chunk, odd M, a NaN row and a zero row."""
+    from cpu_features import bf16_pair_tiles, cpu_flag, ops_in_subprocess
 
     gen = torch.Generator().manual_seed(16)
     cases = []
@@ -174,16 +175,19 @@ def test_cpu_bf16_pair_tiles_and_float_tiles(tmp_path):
         x[1, 5] = float("nan")
         x[2] = 0
         cases.append((x, w, ws, b))
-    floats = ops_in_subprocess(tmp_path, cases, "[torch.ops.redfuser.fp8_quant_gemm(x, w, ws, b, torch.float32) "
-                               "for x, w, ws, b in ins]", {"REDFUSER_CPU_BF16_DOT": "0"})
-    for (x, w, ws, b), flt in zip(cases, floats):
+    call = "[torch.ops.redfuser.fp8_quant_gemm(x, w, ws, b, torch.float32) for x, w, ws, b in ins]"
+    floats = ops_in_subprocess(tmp_path, cases, call, {"REDFUSER_CPU_BF16_DOT": "0"})
+    pairs = ops_in_subprocess(tmp_path, cases, call, {"REDFUSER_CPU_BF16_DOT": "1"})
+    for (x, w, ws, b), flt, par in zip(cases, floats, pairs):
         out = torch.ops.redfuser.fp8_quant_gemm(x, w, ws, b, torch.float32)
-        assert torch.equal(out.isnan(), flt.isnan()) and out[1].isnan().all()
+        assert torch.equal(out.isnan(), flt.isnan()) and torch.equal(par.isnan(), flt.isnan()) and out[1].isnan().all()
         keep = [i for i in range(x.shape[0]) if i != 1]
         judge(out[keep], x[keep], w, ws, b)
         judge(flt[keep], x[keep], w, ws, b)
-        gap = (out[keep].double() - flt[keep].double()).abs().max().item()
-        if bf16_pair_tiles():
-            assert gap <= 1e-5 * flt[keep].abs().max().item(), gap
+        judge(par[keep], x[keep], w, ws, b)
+        gap = (par[keep].double() - flt[keep].double()).abs().max().item()
+        if cpu_flag("avx512_bf16"):
+            assert 0.0 < gap <= 1e-5 * flt[keep].abs().max().item(), gap
         else:
             assert gap == 0.0
+        assert torch.equal(out[keep], (par if bf16_pair_tiles() else flt)[keep])

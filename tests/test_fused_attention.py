@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 import torch
-from cpu_features import bf16_pair_tiles, ops_in_subprocess
+from cpu_features import bf16_pair_tiles, cpu_flag, ops_in_subprocess
 
 import redfuser_ops
 from redfuser_ops import reference as ref
@@ -178,29 +178,33 @@ def test_cpu_blocks_keep_masked_infinities_out_of_other_rows(dtype):
 
 
 def test_cpu_bf16_pair_tiles_and_float_tiles(tmp_path):
-    """bf16 on a CPU with AVX512_BF16: the block kernels multiply their tiles as pairs of bf16 (scores exactly as
-    the float tile, P rounded to bf16 for P x V); REDFUSER_CPU_BF16_DOT=0 keeps the float tiles. Both pass the
-    reference rule, causal and not, GQA, key tails and odd head dims (whose scores take the float tile: pairs
-    of c need D even); where the
-    CPU has the instruction the two differ (the pair tiles ran), elsewhere they are the same code and equal."""
+    """bf16 on a CPU with AVX512_BF16: with REDFUSER_CPU_BF16_DOT=1 the block kernels multiply their tiles as pairs
+    of bf16 (scores exactly as the float tile, P rounded to bf16 for P x V); with 0 they keep the float tiles; by
+    default they take the pairs on AMD CPUs only (rf::bf16_dot). Both pass the reference rule, causal and not, GQA,
+    key tails and odd head dims (whose scores take the float tile: pairs of c need D even); where the CPU has the
+    instruction the two differ (the pair tiles ran), elsewhere they are the same code and equal; the default run
+    is one of the two, the one bf16_dot picks here."""
     gen = torch.Generator().manual_seed(11)
     cases = [(2, 150, 150, 6, 2, 64, True), (1, 97, 203, 4, 4, 128, False), (1, 70, 45, 2, 1, 18, True),
              (1, 64, 64, 2, 2, 17, False)]
     inputs = [(strided_inputs(B, Sq, Sk, H, Hk, D, torch.bfloat16, "cpu", gen), causal)
               for B, Sq, Sk, H, Hk, D, causal in cases]
-    floats = ops_in_subprocess(tmp_path, [(tuple(t.contiguous() for t in qkv), c) for qkv, c in inputs],
-                               "[torch.ops.redfuser.fused_attention(q, k, v, c, None)[0] for (q, k, v), c in ins]",
-                               {"REDFUSER_CPU_BF16_DOT": "0"})
-    pairs_here = bf16_pair_tiles()
-    for ((q, k, v), causal), (*_, D, _c), flt in zip(inputs, cases, floats):
+    saved = [(tuple(t.contiguous() for t in qkv), c) for qkv, c in inputs]
+    call = "[torch.ops.redfuser.fused_attention(q, k, v, c, None)[0] for (q, k, v), c in ins]"
+    floats = ops_in_subprocess(tmp_path, saved, call, {"REDFUSER_CPU_BF16_DOT": "0"})
+    pairs = ops_in_subprocess(tmp_path, saved, call, {"REDFUSER_CPU_BF16_DOT": "1"})
+    instruction = cpu_flag("avx512_bf16")
+    for ((q, k, v), causal), flt, par in zip(inputs, floats, pairs):
         out, _ = judge(q, k, v, causal)
         q2, k2, v2 = (t.contiguous() for t in (q, k, v))
         judge(q2, k2, v2, causal)
-        # the float tiles' result judged the same way (the reference rule against float64)
+        # each path's result judged the same way (the reference rule against float64)
         r_out, _ = ref.fused_attention(q, k, v, causal, None, dtype=torch.float32)
         p_out, _ = ref.fused_attention(q, k, v, causal, None, dtype=torch.bfloat16)
-        assert (flt.float() - r_out).abs().max().item() <= 2 * (p_out.float() - r_out).abs().max().item() + 1e-5
-        assert torch.equal(out.to(torch.bfloat16), flt) == (not pairs_here), (D, pairs_here)
+        for res in (flt, par):
+            assert (res.float() - r_out).abs().max().item() <= 2 * (p_out.float() - r_out).abs().max().item() + 1e-5
+        assert torch.equal(par, flt) == (not instruction), instruction
+        assert torch.equal(out.to(torch.bfloat16), par if bf16_pair_tiles() else flt)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
