@@ -22,9 +22,9 @@ static int check(const char* name, Gemm f, bool nt) {
   int bad = 0;
   uint32_t seed = 12345;
   auto rnd = [&seed] { seed = seed * 1664525u + 1013904223u; return static_cast<float>(seed >> 8) / 16777216.0f - 0.5f; };
-  for (int M : {1, 2, 3, 4, 5, 7, 8, 9, 17})
+  for (int M : {1, 2, 3, 4, 5, 7, 8, 9, 17, 33})  // 16 rows and more copy each panel of B where K <= PANEL_K
     for (int N : {1, 3, 4, 5, 8, 16, 31, 33, 65})
-      for (int K : {1, 3, 8, 15, 16, 17, 64, 100, 256})
+      for (int K : {1, 3, 8, 15, 16, 17, 64, 100, 256, 600})
         for (bool acc : {false, true}) {
           // row strides past the row (ld = width + 3); B is [K][ldb] with ldb rounded up to 32 columns (gemm_tile's
           // rule for packed tiles), Bt is [N][K + 3]

@@ -307,6 +307,12 @@ MUTANTS: list[Mutant] = [
       "the NT tile's four-column reduction reads the third column's accumulators for the fourth: every fourth "
       "output column of the fp8 GEMM is a copy of the one before it (every x86 level)",
       ("tests/test_fp8_quant_gemm.py", *NOSLOW), ),
+    M("cpu-math-gemm-panel-copy-drops-last-k", "ops_src/cpu_math.h",
+      "      for (int64_t k = 0; k < K; ++k) std::memcpy(panel + k * 32, B + k * ldb + n0, 32 * sizeof(float));\n",
+      "      for (int64_t k = 0; k + 1 < K; ++k) std::memcpy(panel + k * 32, B + k * ldb + n0, 32 * sizeof(float));\n",
+      "the GEMM tile's contiguous copy of a B panel (16 rows and more) leaves out the panel's last row of K: the "
+      "product of every block of query rows uses a stale row there (every x86 level)",
+      ("tests/test_fused_attention.py", "tests/test_cpu_math_exhaustive.py", "-k", "matches_reference or levels"), ),
     M("tiles-short-run-nt-gemm-drops-last-row", "generator/codegen/cpu_tiles.py",
       'k.emit(f"rf::gemm_tile_nt(r1 - r0, {ch}, ex_{c}, b{buf} + r0 * ex_{c}',
       'k.emit(f"rf::gemm_tile_nt(r1 - r0 - 1, {ch}, ex_{c}, b{buf} + r0 * ex_{c}',
