@@ -644,10 +644,11 @@ __attribute__((always_inline)) inline bool is_finite_bits(float v) { return (flo
 // float accumulation), twice the products per instruction of the float tile on their widened values. The
 // operands are uint32 words holding elements 2p (low half) and 2p + 1 (high half) of the contraction. The
 // instruction takes subnormal bf16 inputs as 0, flushes subnormal results and rounds to nearest-even, whatever
-// MXCSR says. Whether that is faster depends on the core, not on the flag: measured at 1 thread, tile 128 x 256 x
-// 128 in L1/L2, on a Zen 4 EPYC 108 -> 220 GFLOP/s (pairs twice the float tile), on a Xeon with AVX512_BF16 and
-// AVX512_FP16 (family 6 model 207, no AMX exposed) 83 against the float tile's 178 (vdpbf16ps issues at half the
-// rate of the FMAs there): bf16 attention 1.4x and fp8_quant_gemm at M 128 1.2-1.4x faster with the float tiles.
+// MXCSR says. Whether that is faster depends on the core, not on the flag: measured at 1 thread, on a Zen 4 EPYC
+// (tile 128 x 128 x 128) 108 -> 220 GFLOP/s, pairs twice the float tile; on a Xeon with AVX512_BF16 and AVX512_FP16
+// (family 6 model 207, no AMX exposed; tile 128 x 256 x 128 in L1/L2) 83 against the float tile's 178, half its
+// rate: there bf16 attention ran 1.1-1.7x and fp8_quant_gemm at M 128 1.2-1.4x faster with the float tiles
+// (single alternating runs).
 // So the kernels use the pairs by default on AMD CPUs only; REDFUSER_CPU_BF16_DOT (read once per process) = 0
 // keeps the float tiles everywhere, = 1 takes the pairs wherever the instruction exists.
 inline bool bf16_dot_supported() {
