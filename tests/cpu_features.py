@@ -5,26 +5,27 @@ from __future__ import annotations
 import os
 
 
-def cpu_flag(name: str) -> bool:
+def _cpuinfo(key: str) -> str:
+    """The value of the first `key` line of /proc/cpuinfo ("" where there is none or it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and name in line.split() for line in f)
+            return next((v.strip() for k, _, v in (line.partition(":") for line in f) if k.strip() == key), "")
     except OSError:
-        return False
+        return ""
+
+
+def cpu_flag(name: str) -> bool:
+    return name in _cpuinfo("flags").split()
 
 
 def cpu_vendor() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        return ""
+    return _cpuinfo("vendor_id")
 
 
 def bf16_pair_tiles() -> bool:
     """Whether the block kernels multiply bf16 tiles as pairs here (ops_src/cpu_math.h: rf::bf16_dot): the CPU has
     AVX512_BF16 and REDFUSER_CPU_BF16_DOT is 1, or is not 0 on an AMD CPU (the default: vdpbf16ps is twice the float
-    tile's rate on Zen 4 and half of it on the Xeons measured)."""
+    tile's rate on Zen 4 and half of it on the Xeon measured)."""
     env = os.environ.get("REDFUSER_CPU_BF16_DOT")
     return cpu_flag("avx512_bf16") and env != "0" and (env == "1" or cpu_vendor() == "AuthenticAMD")
 
