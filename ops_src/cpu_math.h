@@ -251,17 +251,18 @@ __attribute__((always_inline)) inline void gemm_panel(int64_t K, const float* A,
 // MR rows at a time, as many as the vector registers hold beside the NV vectors of B: 8 x 2 zmm of AVX-512's 32
 // registers, 3 x 4 ymm of AVX2's 16, 1 x 8 xmm of SSE2's 16. Measured on a Zen 4 EPYC at 1 thread (tile 32 x 64 x
 // 128, a loaded machine): 41 GFLOP/s with 4 rows, 47 with 8.
-// Where at least 16 rows pass over a panel, it is first copied into a contiguous K x 32 buffer: the packed tiles'
-// rows are 1-2 KiB apart (ldb 256 or 512 floats), so a panel read in place falls into a few L1 sets and is
-// fetched again from L2 by every MR rows. Measured in fused_attention fp32 at 1 thread (Xeon, family 6 model 207;
-// best of 6 alternating runs): S 256 d 128 7 % faster, d 64 2 %, causal S 1024 4 %.
+// Where at least 16 rows pass over a panel whose rows are apart (ldb > 32), it is first copied into a contiguous
+// K x 32 buffer: rows 1-2 KiB apart (ldb 256 or 512 floats) put a panel read in place into a few L1 sets, fetched
+// again from L2 by every MR rows. Measured in fused_attention fp32 at 1 thread (Xeon, family 6 model 207; best of 6
+// alternating runs): S 256 d 128 7 % faster, d 64 2 %, causal S 1024 4 %. The kernels' packed tiles are laid out
+// panel by panel (pack_transposed_panels, gemm_tile_panels), so that they need no copy: this is for other callers.
 constexpr int64_t PANEL_K = 512;  // the longest K copied (64 KiB of stack)
 template <class V, int NV, int MR>
 __attribute__((always_inline)) inline void gemm_rows(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
                                                      const float* B, int64_t ldb, float* C, int64_t ldc,
                                                      bool accumulate) {
   alignas(64) float panel[PANEL_K * 32];
-  const bool copy = M >= 16 && K <= PANEL_K;
+  const bool copy = M >= 16 && K <= PANEL_K && ldb > 32;
   for (int64_t n0 = 0; n0 < N; n0 += 32) {  // one 32-column panel of B stays in L1 while the rows pass over it
     const int64_t nv = N - n0 < 32 ? N - n0 : 32;
     const float* Bp = B + n0;
@@ -455,6 +456,17 @@ inline void gemm_tile_nt(REDFUSER_GEMM_ARGS) { gemm_nt_rows<vf4, 2, 4>(M, N, K, 
 #endif
 #undef REDFUSER_GEMM_ARGS
 
+// C (+)= A x B for a B laid out panel by panel: its 32-column panels one after another, panel p (columns 32p ..
+// 32p + 31) at B + p * pstride, K rows of 32 floats each (pack_transposed_panels writes the kernels' tiles so, and
+// their folds' element rows so). Each panel is contiguous, so the tile reads it in place: the row-major tile was
+// copied panel by panel into a stack buffer on every call, also for a tile kept for many blocks (rf::TileMemo).
+// Columns of the last panel past N are computed and dropped (the panel has 32 readable floats per row).
+inline void gemm_tile_panels(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+                             int64_t pstride, float* C, int64_t ldc, bool accumulate) {
+  for (int64_t n0 = 0; n0 < N; n0 += 32)
+    gemm_tile(M, N - n0 < 32 ? N - n0 : 32, K, A, lda, B + n0 / 32 * pstride, 32, C + n0, ldc, accumulate);
+}
+
 // ------------------------------------------------------------------------------------- e4m3 weight rows x a vector
 // out[n] = sum_k decode(W[n * ldw + k]) * x[k] for n < N, k < K (a GEMV over float8 e4m3fn weights, the one-row case
 // of a quantised GEMM: decoding into a tile and reading it back costs more than the products there). Returns
@@ -633,6 +645,15 @@ __attribute__((always_inline)) inline void pack_transposed(int64_t R, int64_t C,
   }
   for (; r0 < R; ++r0)
     for (int64_t c = 0; c < C; ++c) dst[c * ldd + r0] = ld(rows[r0][c]);
+}
+
+// pack_transposed into the panel-by-panel layout of gemm_tile_panels: rows 32p .. 32p + 31 become panel p, at
+// dst + p * pstride, [c][32]
+template <class T>
+__attribute__((always_inline)) inline void pack_transposed_panels(int64_t R, int64_t C, const T* const* rows,
+                                                                  float* __restrict__ dst, int64_t pstride) {
+  for (int64_t r0 = 0; r0 < R; r0 += 32)
+    pack_transposed(R - r0 < 32 ? R - r0 : 32, C, rows + r0, dst + r0 / 32 * pstride, 32);
 }
 
 // whether a float is finite (bit test: -ffast-math cannot fold it away)

@@ -1,5 +1,6 @@
 // The CPU kernels' tile GEMMs (ops_src/cpu_math.h: gemm_tile, C += A x B, and gemm_tile_nt, C += A x Bt^T) and the
 // transposing pack of their streamed operand (pack_transposed, float and bf16 sources) at every x86-64 level this CPU
+// (the panel-major pack and tile the kernels call, pack_transposed_panels and gemm_tile_panels, at the machine's)
 // runs (v4: AVX-512, v3: AVX2, the base level: SSE2), against a float64 loop, over shapes
 // that take every register-block size and remainder (rows 1..17, columns 1..65, reduction lengths 1..256). The
 // op tests reach only the level of the machine they run on; the kernels pick theirs at run time, so a bug in
@@ -22,13 +23,17 @@ static int check(const char* name, Gemm f, bool nt) {
   int bad = 0;
   uint32_t seed = 12345;
   auto rnd = [&seed] { seed = seed * 1664525u + 1013904223u; return static_cast<float>(seed >> 8) / 16777216.0f - 0.5f; };
-  for (int M : {1, 2, 3, 4, 5, 7, 8, 9, 17, 33})  // 16 rows and more copy each panel of B where K <= PANEL_K
+  // 16 rows and more copy each panel of B where K <= PANEL_K and ldb > 32; pad 0 with N <= 32 is one contiguous
+  // panel (ldb 32), read in place
+  for (int pad : {3, 0})
+  for (int M : {1, 2, 3, 4, 5, 7, 8, 9, 17, 33})
     for (int N : {1, 3, 4, 5, 8, 16, 31, 33, 65})
       for (int K : {1, 3, 8, 15, 16, 17, 64, 100, 256, 600})
         for (bool acc : {false, true}) {
+          if (nt && pad == 0) continue;
           // row strides past the row (ld = width + 3); B is [K][ldb] with ldb rounded up to 32 columns (gemm_tile's
-          // rule for packed tiles), Bt is [N][K + 3]
-          const int64_t lda = K + 3, ldc = N + 3, ldb = nt ? K + 3 : ((N + 31) / 32) * 32 + 3;
+          // rule for packed tiles) plus pad, Bt is [N][K + 3]
+          const int64_t lda = K + 3, ldc = N + 3, ldb = nt ? K + 3 : ((N + 31) / 32) * 32 + pad;
           std::vector<float> A(M * lda), B(nt ? N * ldb : K * ldb), C0(M * ldc), C;
           for (auto& v : A) v = rnd();
           for (auto& v : B) v = rnd();
@@ -81,6 +86,51 @@ static int check_pack(const char* name, Pack<T> f) {
   std::printf("%s mismatches: %d\n", name, bad);
   return bad;
 }
+// The kernels' panel-major tiles: pack_transposed_panels (rows 32p .. 32p + 31 of the source as panel p, [c][32],
+// pstride apart) checked element by element, panels' columns past R untouched, and gemm_tile_panels over them
+// against a float64 loop (C += A x B with B[c][r] = rows[r][c]), at the machine's level (gemm_tile's choice)
+static int check_panels() {
+  int bad = 0;
+  uint32_t seed = 31337;
+  auto rnd = [&seed] { seed = seed * 1664525u + 1013904223u; return static_cast<float>(seed >> 8) / 16777216.0f - 0.5f; };
+  for (int R : {1, 9, 31, 32, 33, 64, 65, 256})
+    for (int C : {1, 8, 17, 128, 300})
+      for (int M : {1, 9, 17, 33}) {
+        const int64_t lds = C + 5, pstride = int64_t(C) * 32 + 8, lda = C + 3, ldc = R + 3;
+        const int64_t np = (R + 31) / 32;
+        std::vector<float> src(R * lds), dst(np * pstride, -7.0f), A(M * lda), C0(M * ldc), Cm;
+        for (auto& v : src) v = rnd();
+        for (auto& v : A) v = rnd();
+        for (auto& v : C0) v = rnd();
+        std::vector<const float*> rows(R);
+        for (int r = 0; r < R; ++r) rows[r] = src.data() + (R - 1 - r) * lds;  // rows in reverse, as pages may be
+        rf::pack_transposed_panels(R, C, rows.data(), dst.data(), pstride);
+        for (int64_t p = 0; p < np; ++p)
+          for (int64_t i = 0; i < pstride; ++i) {
+            const int64_t c = i / 32, r = p * 32 + i % 32;
+            const float want = c < C && r < R ? rows[r][c] : -7.0f;
+            if (dst[p * pstride + i] != want && bad++ < 5)
+              std::printf("pack_transposed_panels R%d C%d panel %ld [%ld]: %g, want %g\n", R, C, long(p), long(i),
+                          dst[p * pstride + i], want);
+          }
+        for (bool acc : {false, true}) {
+          Cm = C0;
+          rf::gemm_tile_panels(M, R, C, A.data(), lda, dst.data(), pstride, Cm.data(), ldc, acc);
+          for (int m = 0; m < M; ++m)
+            for (int64_t n = 0; n < ldc; ++n) {
+              double r = acc || n >= R ? C0[m * ldc + n] : 0.0;
+              if (n < R)
+                for (int k = 0; k < C; ++k) r += double(A[m * lda + k]) * rows[n][k];
+              if (std::fabs(Cm[m * ldc + n] - r) > 1e-5 * (C + 1) && bad++ < 5)
+                std::printf("gemm_tile_panels M%d N%d K%d acc%d [%d, %ld]: %g, want %g\n", M, R, C, int(acc), m, long(n),
+                            Cm[m * ldc + n], r);
+            }
+        }
+      }
+  std::printf("panels mismatches: %d\n", bad);
+  return bad;
+}
+
 #define PACK_AT(level, attr)                                                                                    \
   template <class T>                                                                                            \
   attr static void pack_##level(int64_t R, int64_t C, const T* const* rows, float* d, int64_t ldd) {           \
@@ -274,5 +324,6 @@ int main() {
     std::printf("AVX512_BF16 not supported here: bf16 pairs skipped\n");
   bad += check_pack<float>("pack_transposed_base float", pack_base<float>);
   bad += check_pack<rf::bf16_t>("pack_transposed_base bf16", pack_base<rf::bf16_t>);
+  bad += check_panels();
   return bad != 0;
 }

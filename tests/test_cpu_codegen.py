@@ -159,20 +159,26 @@ def test_attention_contraction_and_weighted_sum_are_gemm_tiles():
         assert "rkey[rb * 2 + 0] = static_cast<double>(ix_b);" in body
         assert "rkey[rb * 2 + 1] = static_cast<double>(lt_g);" in body
         # q . k: each element's K row located once per chunk for the run, then packed by register transposes
-        # ([c][element]) and one GEMM tile against the q rows (a short run: the rows widened and the NT tile)
+        # (panels of 32 elements, [c][32] each) and one GEMM tile against the q rows (a short run: the rows widened
+        # and the NT tile)
         assert re.search(r"pk\d+_rows\[jj\] = &t_k\[", body)
         # (the tile kept for the call where later blocks share the key: packed only where the memo misses)
         assert re.search(r"const int64_t slot = pk\d+_memo.find\(c0 / \d+, tag, pk\d+_real, hit\);", body)
-        assert re.search(rf"if \(!hit\) rf::pack_transposed\({C}, ex_c, pk\d+_rows, pt, {C}\);", body)
+        assert re.search(rf"if \(!hit\) rf::pack_transposed_panels\({C}, ex_c, pk\d+_rows, pt, ex_c \* 32\);", body)
         assert re.search(rf"rf::gemm_tile_nt\(r1 - r0, {C}, ex_c, browbuf\d+ \+ r0 \* ex_c, ex_c, pk\d+, ex_c", body)
-        assert re.search(rf"rf::gemm_tile\(r1 - r0, {C}, ex_c, browbuf\d+ \+ r0 \* ex_c, ex_c, pt, {C}, bdots\d+", body)
+        assert re.search(rf"rf::gemm_tile_panels\(r1 - r0, {C}, ex_c, browbuf\d+ \+ r0 \* ex_c, ex_c, pt, ex_c \* 32, "
+                         rf"bdots\d+", body)
         assert re.search(r"el_s\[jj\] = \(p_softmax_scale \* dots\d+\[jj\]\);", body)
         assert not re.search(r"float dot\d+ = 0.0f;", body)
-        # o[d] += p_j v[j, d]: the weights per row (0 where not counted), then V packed once and one GEMM tile
+        # o[d] += p_j v[j, d]: the weights per row (0 where not counted), then V packed once (panels of 32 d,
+        # [element][32] each) and one GEMM tile; a tile with an inf/NaN reads the same layout element by element
         assert re.search(r"wts\d+\[jj\] = el_cnt\[jj\] \? v : 0.0f;", body)
-        assert re.search(rf"rf::gemm_tile\(r1 - r0, nt, cn, bwts\d+ \+ r0 \* {C}, {C}, pt, pk\d+_ldp, bst_o", body)
-        # the correction is applied per row before the tile is folded in
-        assert body.index("st_o[r] = st_o[r] * cr_o") < body.index("rf::gemm_tile(r1 - r0, nt, cn")
+        assert f"float* dp = dst + x0 * {C};" in body and "dp[ix_d - n0 - x0] = v;" in body
+        assert re.search(rf"rf::gemm_tile_panels\(r1 - r0, nt, cn, bwts\d+ \+ r0 \* {C}, {C}, pt, {C} \* 32, bst_o", body)
+        assert f"acc[x] = acc[x] + w * pt[x / 32 * {C * 32} + jj * 32 + x % 32];" in body
+        # the correction is applied per row before the tile is folded in, and skipped where it is exactly 1
+        assert "if (cr_o != 1.0f) for (int64_t r = col_lo; r < col_hi; ++r) st_o[r] = st_o[r] * cr_o;" in body
+        assert body.index("st_o[r] = st_o[r] * cr_o") < body.index("rf::gemm_tile_panels(r1 - r0, nt, cn")
 
 
 def test_fp8_weight_decoded_once_per_tile():
@@ -186,8 +192,9 @@ def test_fp8_weight_decoded_once_per_tile():
         assert re.search(r"rf::gemm_tile_nt\(r1 - r0, nt, cn, bwts\d+ \+ r0 \* 256, 256, pk\d+, 256, bst_acc", body)
         assert body.count("rf::ld(t_w[") == 1  # read only where the tile is packed
         # a run of more than NT_RUN rows transposes the decoded tile and takes the register-blocked tile instead
-        long = re.search(r"if \(r1 - r0 > 32\) \{\s*(//[^\n]*\n\s*)*rf::pack_transposed\(nt, cn, (pk\d+)_rows, (pk\d+)t, 64\);"
-                         r"\s*rf::gemm_tile\(r1 - r0, nt, cn, bwts\d+ \+ r0 \* 256, 256, pk\d+t, 64, bst_acc", body)
+        long = re.search(r"if \(r1 - r0 > 32\) \{\s*(//[^\n]*\n\s*)*rf::pack_transposed_panels\(nt, cn, (pk\d+)_rows, "
+                         r"(pk\d+)t, 8192\);\s*rf::gemm_tile_panels\(r1 - r0, nt, cn, bwts\d+ \+ r0 \* 256, 256, pk\d+t, "
+                         r"8192, bst_acc", body)
         assert long and long.group(2) == long.group(3)
         assert long.start() < body.index("rf::gemm_tile_nt(")
     # the weight is decoded once per block, so the blocks are as large as they may be (up to 128 rows) and threads
@@ -204,7 +211,7 @@ def test_masked_spec_keeps_per_element_order():
     """The contraction tile is computed after the lets it reads and before the lets that read it."""
     row = _block_loop_bodies(_masked_spec_source())[0]
     use = re.search(r"el_s\[jj\] = .*dots\d+\[jj\]", row)
-    assert use and row.index("const bool ok = ") < row.index("rf::gemm_tile(") < use.start()
+    assert use and row.index("const bool ok = ") < row.index("rf::gemm_tile_panels(") < use.start()
 
 
 def test_long_rows_take_fewer_rows_per_task():
@@ -226,7 +233,7 @@ def test_few_rows_share_fold_columns_across_tasks():
            "nblk, (A.sz_N) / 256));" in src
     for body in _block_loop_bodies(src):
         assert "std::fill(st_acc + col_lo, st_acc + col_hi, 0.0f);" in body
-        assert "for (int64_t r = col_lo; r < col_hi; ++r) st_acc[r] = st_acc[r] * cr_acc;" in body
+        assert "if (cr_acc != 1.0f) for (int64_t r = col_lo; r < col_hi; ++r) st_acc[r] = st_acc[r] * cr_acc;" in body
         assert "for (int64_t n0 = col_lo; n0 < col_hi; n0 += " in body
         assert "for (int64_t ix_n = col_lo; ix_n < col_hi; ++ix_n)" in body
         assert "ex_n; ++" not in body

@@ -264,8 +264,8 @@ def block_storage(k) -> None:
         k.emit(f"float* b{g.dots} = b{g.dots}_v.data();")
         k.emit(f"std::vector<float> {g.pack}_v(ex_{c} * {ch});  // the streamed factor, [element][c] (short runs)")
         k.emit(f"float* {g.pack} = {g.pack}_v.data();")
-        k.emit("// the streamed factor's [c][element] tiles (or [c / 2][element] pairs), one per chunk; flags: "
-               "elements packed from the operand")
+        k.emit("// the streamed factor's tiles in panels of 32 elements, [c][32] each (or [c / 2][element] pairs), one "
+               "per chunk; flags: elements packed from the operand")
         k.emit(f"rf::TileMemo {g.pack}_memo(memo_on ? (ex_{k.ir.over} + {ch - 1}) / {ch} : 0, ex_{c} * {ch}, {ch}, "
                f"{nk + 1}, {MEMO_BYTES});")
         k.emit(f"uint8_t {g.pack}_real[{ch}];")
@@ -288,7 +288,8 @@ def block_storage(k) -> None:
         if _nt_fold(k, g):
             k.emit(f"std::vector<float> {g.pack}_v({ch * _ntile(k)});  // the streamed factor, [{g.free}][element]")
             k.emit(f"float* {g.pack} = {g.pack}_v.data();")
-            k.emit(f"std::vector<float> {g.pack}t_v({ch * _ntile(k)});  // the same, [element][{g.free}] (long runs)")
+            k.emit(f"std::vector<float> {g.pack}t_v({ch * _ntile(k)});  // the same in panels of 32 {g.free}, "
+                   "[element][32] each (long runs)")
             k.emit(f"float* {g.pack}t = {g.pack}t_v.data();")
             k.emit(f"const float* {g.pack}_rows[{_ntile(k)}];")
             k.emit(f"for (int64_t x = 0; x < {_ntile(k)}; ++x) {g.pack}_rows[x] = {g.pack} + x * {ch};")
@@ -307,8 +308,8 @@ def block_storage(k) -> None:
                 k.emit(f"uint32_t* {g.wbuf}h = {g.wbuf}h_v.data();")
         else:
             n = g.free
-            k.emit(f"// the streamed factor's [element][{n}] tiles (or [element / 2][{n}] pairs), one per chunk and "
-                   f"column tile of ldp columns; flags: elements packed from the operand")
+            k.emit(f"// the streamed factor's tiles in panels of 32 {n}, [element][32] each (or [element / 2][{n}] "
+                   "pairs), one per chunk and column tile of ldp columns; flags: elements packed from the operand")
             k.emit(f"const int64_t {g.pack}_ldp = std::min<int64_t>({NTILE}, (ex_{n} + 31) / 32 * 32);")
             k.emit(f"const int64_t {g.pack}_ntl = (ex_{n} + {g.pack}_ldp - 1) / {g.pack}_ldp;  // column tiles per chunk")
             k.emit(f"rf::TileMemo {g.pack}_memo(memo_on ? (ex_{k.ir.over} + {ch - 1}) / {ch} * {g.pack}_ntl : 0, "
@@ -555,8 +556,8 @@ def _pack_sum(k, g: GemmSum) -> None:
                    f"reinterpret_cast<const uint32_t*>(pt), {ch}, b{g.dots} + r0 * {ch}, {ch}, false);")
             k.end("} else {")
             k.ind += 1
-        k.emit("// a long run: transposed 8 x 8 at a time into the [c][element] tile")
-        k.emit(f"if (!hit) rf::pack_transposed({ch}, ex_{c}, {g.pack}_rows, pt, {ch});")
+        k.emit("// a long run: transposed 8 x 8 at a time into the tile's panels of 32 elements, [c][32] each")
+        k.emit(f"if (!hit) rf::pack_transposed_panels({ch}, ex_{c}, {g.pack}_rows, pt, ex_{c} * 32);")
         _score_gemm(k, g, buf)
         if pairs:
             k.end()
@@ -565,9 +566,9 @@ def _pack_sum(k, g: GemmSum) -> None:
         _each_element(k, f"{g.pack}_real[jj] = 0;", f"{g.pack}_real[jj] = 1;")
         _memo_find(k, g.pack, 1)
         k.block("if (!hit)")
-        _each_element(k, f"for (int64_t ix_{c} = 0; ix_{c} < ex_{c}; ++ix_{c}) pt[ix_{c} * {ch} + jj] = 0.0f;",
-                      f"for (int64_t ix_{c} = 0; ix_{c} < ex_{c}; ++ix_{c}) pt[ix_{c} * {ch} + jj] = "
-                      f"{k.pr.flt(g.elem)};")
+        at = f"pt[jj / 32 * (ex_{c} * 32) + ix_{c} * 32 + jj % 32]"  # the tile's panels of 32 elements, [c][32] each
+        _each_element(k, f"for (int64_t ix_{c} = 0; ix_{c} < ex_{c}; ++ix_{c}) {at} = 0.0f;",
+                      f"for (int64_t ix_{c} = 0; ix_{c} < ex_{c}; ++ix_{c}) {at} = {k.pr.flt(g.elem)};")
         k.end()
         _score_gemm(k, g, buf)
     if one:
@@ -594,8 +595,8 @@ def _each_element(k, dead: str, live: str, flags: str = "ok") -> None:
 
 def _score_gemm(k, g: GemmSum, buf: str) -> None:
     ch, c = k.chunk, g.c.name
-    k.emit(f"rf::gemm_tile(r1 - r0, {ch}, ex_{c}, b{buf} + r0 * ex_{c}, ex_{c}, pt, {ch}, b{g.dots} + r0 * {ch}, "
-           f"{ch}, false);")
+    k.emit(f"rf::gemm_tile_panels(r1 - r0, {ch}, ex_{c}, b{buf} + r0 * ex_{c}, ex_{c}, pt, ex_{c} * 32, "
+           f"b{g.dots} + r0 * {ch}, {ch}, false);")
 
 
 def _memo_find(k, pack: str, extra: int, index: str | None = None) -> None:
@@ -797,26 +798,29 @@ def _pack_fold(k, g: GemmFold, f) -> None:
     k.block("if (!hit)")
     k.block("for (int64_t jj = 0; jj < cn; ++jj)")
     _first_row(k, "cnt")
-    k.emit(f"float* dst = pt + jj * {ldp};")
+    k.emit(f"float* dst = pt + jj * 32;  // element jj's row of 32 columns in each panel, [element][32] ({ch} * 32 apart)")
     k.block("if (rs < 0)")
-    k.emit("std::fill(dst, dst + nt, 0.0f);")
+    k.emit(f"for (int64_t x0 = 0; x0 < nt; x0 += 32) std::fill(dst + x0 * {ch}, dst + x0 * {ch} + 32, 0.0f);")
     k.emit("continue;")
     k.end()
     bind_row(k, "rs", light=True)
     k.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
     k.emit(f"(void)ix_{ir.over};")
-    k.block(f"for (int64_t ix_{n} = n0; ix_{n} < n0 + nt; ++ix_{n})")
+    k.block("for (int64_t x0 = 0; x0 < nt; x0 += 32)")
+    k.emit(f"float* dp = dst + x0 * {ch};")
+    k.block(f"for (int64_t ix_{n} = n0 + x0; ix_{n} < n0 + std::min<int64_t>(nt, x0 + 32); ++ix_{n})")
     k.emit(f"const float v = {k.pr.flt(g.inner)};")
-    k.emit(f"dst[ix_{n} - n0] = v;")
+    k.emit(f"dp[ix_{n} - n0 - x0] = v;")
     k.emit("bad |= rf::is_finite_bits(v) ? 0u : 1u;")
+    k.end()
     k.end()
     k.end()
     k.emit(f"if (pt != {g.pack}) {g.pack}_memo.word(slot) = bad;")
     k.end("} else {")
     k.emit(f"  bad = {g.pack}_memo.word(slot);")
     k.emit("}")
-    _tile_or_counted(k, g, f"rf::gemm_tile(r1 - r0, nt, cn, b{g.wbuf} + r0 * {ch}, {ch}, pt, {ldp}, "
-                     f"bst_{g.name} + r0 * szf + n0, szf, true);", f"pt[jj * {ldp} + x]")
+    _tile_or_counted(k, g, f"rf::gemm_tile_panels(r1 - r0, nt, cn, b{g.wbuf} + r0 * {ch}, {ch}, pt, {ch} * 32, "
+                     f"bst_{g.name} + r0 * szf + n0, szf, true);", f"pt[x / 32 * {ch * 32} + jj * 32 + x % 32]")
     k.end()
     k.end()
     k.end()
@@ -983,10 +987,11 @@ def _pack_fold_nt(k, g: GemmFold) -> None:
     k.end()
     acc, wts = f"bst_{g.name} + r0 * szf + n0, szf, true);", f"b{g.wbuf} + r0 * {ch}, {ch}"
     lines = [f"if (r1 - r0 > {NT_RUN}) {{",
-             f"  // a long run: the tile transposed to [element][{n}] (8 x 8 register transposes) for the",
-             "  // register-blocked tile, which has no lane sums (they cost more than the transpose at many rows)",
-             f"  rf::pack_transposed(nt, cn, {g.pack}_rows, {g.pack}t, {tile});",
-             f"  rf::gemm_tile(r1 - r0, nt, cn, {wts}, {g.pack}t, {tile}, {acc}",
+             f"  // a long run: the tile transposed to panels of 32 {n}, [element][32] each (8 x 8 register",
+             "  // transposes), for the register-blocked tile, which has no lane sums (they cost more than the",
+             "  // transpose at many rows)",
+             f"  rf::pack_transposed_panels(nt, cn, {g.pack}_rows, {g.pack}t, {ch * 32});",
+             f"  rf::gemm_tile_panels(r1 - r0, nt, cn, {wts}, {g.pack}t, {ch * 32}, {acc}",
              "} else {",
              f"  rf::gemm_tile_nt(r1 - r0, nt, cn, {wts}, {g.pack}, {ch}, {acc}",
              "}"]
