@@ -152,6 +152,8 @@ def test_attention_contraction_and_weighted_sum_are_gemm_tiles():
     # the chunk of block kernels with a GEMM sum: longer where no mask hides elements (causal=false), so that the
     # per-chunk row passes are amortised; the causal specialisation keeps the shorter one (less masked work)
     assert "const bool ok = true;" in bodies[0] and "const bool ok = true;" not in bodies[1]
+    # a masked element's score holds the mask value (-inf); without a mask every score is computed: no fill
+    assert "el_s[jj] = (-rf::kInf);" not in bodies[0] and "el_s[jj] = (-rf::kInf);" in bodies[1]
     for body, C in zip(bodies, (SCHUNK_OPEN, SCHUNK)):
         assert f"for (int64_t c0 = 0; c0 < ex_j; c0 += {C})" in body
         # rows are walked with the K/V indices (b, and h through the GQA head g) outermost; runs share the key
