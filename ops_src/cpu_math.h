@@ -457,9 +457,10 @@ inline void gemm_tile_nt(REDFUSER_GEMM_ARGS) { gemm_nt_rows<vf4, 2, 4>(M, N, K, 
 #undef REDFUSER_GEMM_ARGS
 
 // C (+)= A x B for a B laid out panel by panel: its 32-column panels one after another, panel p (columns 32p ..
-// 32p + 31) at B + p * pstride, K rows of 32 floats each (pack_transposed_panels writes the kernels' tiles so, and
-// their folds' element rows so). Each panel is contiguous, so the tile reads it in place: the row-major tile was
-// copied panel by panel into a stack buffer on every call, also for a tile kept for many blocks (rf::TileMemo).
+// 32p + 31) at B + p * pstride, K rows of 32 floats each (the kernels' score and weight tiles come so from
+// pack_transposed_panels, their fold tiles are written so element row by element row). Each panel is contiguous,
+// so the tile reads it in place: the row-major tile was copied panel by panel into a stack buffer on every call,
+// also for a tile kept for many blocks (rf::TileMemo).
 // Columns of the last panel past N are computed and dropped (the panel has 32 readable floats per row).
 inline void gemm_tile_panels(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
                              int64_t pstride, float* C, int64_t ldc, bool accumulate) {

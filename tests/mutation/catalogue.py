@@ -314,6 +314,17 @@ MUTANTS: list[Mutant] = [
       "last row of K: the product uses a stale row there (every x86 level; the kernels' tiles are panel-major and "
       "not copied, so only the levels test reaches it)",
       ("tests/test_cpu_math_exhaustive.py", "-k", "tile_gemms"), ),
+    M("tiles-fold-pack-panels-overlap", "generator/codegen/cpu_tiles.py",
+      'k.emit(f"float* dp = dst + x0 * {ch};")', 'k.emit(f"float* dp = dst + x0 * ({ch} - 1);")',
+      "the fold's packed tile (V of attention) puts its 32-column panels one element row short of apart: each "
+      "panel's last row overlaps the next panel's first, so p.v reads wrong values for d past 32",
+      ATTN, ),
+    M("cpu-math-panels-pack-stride", "ops_src/cpu_math.h",
+      "    pack_transposed(R - r0 < 32 ? R - r0 : 32, C, rows + r0, dst + r0 / 32 * pstride, 32);\n",
+      "    pack_transposed(R - r0 < 32 ? R - r0 : 32, C, rows + r0, dst + r0 / 32 * (pstride - 32), 32);\n",
+      "the panel pack writes each 32-element panel one row of the tile short of its place: the score tile's "
+      "panels overlap (q.k wrong past the first 32 keys of a chunk), and the fp8 weight tile's likewise",
+      ("tests/test_cpu_math_exhaustive.py", "-k", "tile_gemms"), ),
     M("tiles-short-run-nt-gemm-drops-last-row", "generator/codegen/cpu_tiles.py",
       'k.emit(f"rf::gemm_tile_nt(r1 - r0, {ch}, ex_{c}, b{buf} + r0 * ex_{c}',
       'k.emit(f"rf::gemm_tile_nt(r1 - r0 - 1, {ch}, ex_{c}, b{buf} + r0 * ex_{c}',
