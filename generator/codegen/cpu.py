@@ -916,7 +916,7 @@ class _Kernel:
         self.emit("el_ok[jj] = ok;")
         # a masked element's lets hold their mask values; without a mask every let is computed for every element
         # (here or after the contraction), so there is nothing to fill (a store per element and let: 4 % of the
-        # samples of fused_attention fp32's block function under perf; end to end within this machine's noise)
+        # samples of an fp32 attention's block function under perf; end to end within the noise of the machine)
         for let in rest if ir.mask not in (sp.true, True) else []:
             fill = a.mask_value.get(let.symbol)
             fv = float_literal(float(fill)) if fill is not None else ("0" if let.symbol.is_integer else "0.0f")
@@ -1106,8 +1106,8 @@ class _Kernel:
             elif f.free:
                 lo, hi = self.state_span(f)
                 # x * 1 is x, bit for bit (-0, inf and NaN included): a factor of exactly 1 (the running max did not
-                # move, as in most chunks after the first) skips the pass over the state (a row of 4096 floats per
-                # chunk in fp8_quant_gemm). Not for "+": -0 + 0 is +0.
+                # move, as in most chunks after the first) skips the pass over the state (a quantised GEMM's row of
+                # 4096 accumulators per chunk). Not for "+": -0 + 0 is +0.
                 skip = f"if ({cname} != 1.0f) " if kind == "*" else ""
                 self.emit(f"{skip}for (int64_t r = {lo}; r < {hi}; ++r) st_{f.name}[r] = st_{f.name}[r] {op} {cname};")
             else:
