@@ -1,8 +1,8 @@
 // The CPU kernels' tile GEMMs (ops_src/cpu_math.h: gemm_tile, C += A x B, and gemm_tile_nt, C += A x Bt^T) and the
 // transposing pack of their streamed operand (pack_transposed, float and bf16 sources) at every x86-64 level this CPU
-// (the panel-major pack and tile the kernels call, pack_transposed_panels and gemm_tile_panels, at the machine's)
-// runs (v4: AVX-512, v3: AVX2, the base level: SSE2), against a float64 loop, over shapes
-// that take every register-block size and remainder (rows 1..17, columns 1..65, reduction lengths 1..256). The
+// runs (v4: AVX-512, v3: AVX2, the base level: SSE2; the panel-major pack and tile that the kernels call,
+// pack_transposed_panels and gemm_tile_panels, at the machine's own), against a float64 loop, over shapes
+// that take every register-block size and remainder (rows 1..33, columns 1..65, reduction lengths 1..600). The
 // op tests reach only the level of the machine they run on; the kernels pick theirs at run time, so a bug in
 // another level's code (its vector width, its lane reduction) would ship untested. Built and run by
 // tests/test_cpu_math_exhaustive.py with the kernels' flags. Prints the mismatch count per level; exits 1 on any.
