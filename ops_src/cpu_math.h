@@ -251,36 +251,26 @@ __attribute__((always_inline)) inline void gemm_panel(int64_t K, const float* A,
 // MR rows at a time, as many as the vector registers hold beside the NV vectors of B: 8 x 2 zmm of AVX-512's 32
 // registers, 3 x 4 ymm of AVX2's 16, 1 x 8 xmm of SSE2's 16. Measured on a Zen 4 EPYC at 1 thread (tile 32 x 64 x
 // 128, a loaded machine): 41 GFLOP/s with 4 rows, 47 with 8.
-// Where at least 16 rows pass over a panel whose rows are apart (ldb > 32), it is first copied into a contiguous
-// K x 32 buffer: rows 1-2 KiB apart (ldb 256 or 512 floats) put a panel read in place into a few L1 sets, fetched
-// again from L2 by every MR rows. Measured in fused_attention fp32 at 1 thread (Xeon, family 6 model 207; best of 6
-// alternating runs): S 256 d 128 7 % faster, d 64 2 %, causal S 1024 4 %. The kernels' packed tiles are laid out
-// panel by panel (pack_transposed_panels, gemm_tile_panels), so that they need no copy: this is for other callers.
-constexpr int64_t PANEL_K = 512;  // the longest K copied (64 KiB of stack)
+// A panel is read in place. The kernels pass contiguous ones (ldb 32: pack_transposed_panels, gemm_tile_panels):
+// rows 1-2 KiB apart (ldb 256 or 512 floats) put a panel into a few L1 sets, fetched again from L2 by every MR rows,
+// and copying each panel into a contiguous buffer here on every call made fused_attention fp32 at 1 thread 2-7 %
+// faster (Xeon, family 6 model 207; best of 6 alternating runs); packing the tiles panel by panel removed the copy.
 template <class V, int NV, int MR>
 __attribute__((always_inline)) inline void gemm_rows(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
                                                      const float* B, int64_t ldb, float* C, int64_t ldc,
                                                      bool accumulate) {
-  alignas(64) float panel[PANEL_K * 32];
-  const bool copy = M >= 16 && K <= PANEL_K && ldb > 32;
   for (int64_t n0 = 0; n0 < N; n0 += 32) {  // one 32-column panel of B stays in L1 while the rows pass over it
     const int64_t nv = N - n0 < 32 ? N - n0 : 32;
     const float* Bp = B + n0;
-    int64_t ldp = ldb;
-    if (copy) {
-      for (int64_t k = 0; k < K; ++k) std::memcpy(panel + k * 32, B + k * ldb + n0, 32 * sizeof(float));
-      Bp = panel;
-      ldp = 32;
-    }
     int64_t m = 0;
     for (; m + MR <= M; m += MR)
-      gemm_panel<V, NV, MR>(K, A + m * lda, lda, Bp, ldp, C + m * ldc + n0, ldc, nv, accumulate);
+      gemm_panel<V, NV, MR>(K, A + m * lda, lda, Bp, ldb, C + m * ldc + n0, ldc, nv, accumulate);
     if (MR > 4 && m + 4 <= M) {
-      gemm_panel<V, NV, (MR > 4 ? 4 : 1)>(K, A + m * lda, lda, Bp, ldp, C + m * ldc + n0, ldc, nv, accumulate);
+      gemm_panel<V, NV, (MR > 4 ? 4 : 1)>(K, A + m * lda, lda, Bp, ldb, C + m * ldc + n0, ldc, nv, accumulate);
       m += 4;
     }
     for (; m < M; ++m)
-      gemm_panel<V, NV, 1>(K, A + m * lda, lda, Bp, ldp, C + m * ldc + n0, ldc, nv, accumulate);
+      gemm_panel<V, NV, 1>(K, A + m * lda, lda, Bp, ldb, C + m * ldc + n0, ldc, nv, accumulate);
   }
 }
 
@@ -459,8 +449,8 @@ inline void gemm_tile_nt(REDFUSER_GEMM_ARGS) { gemm_nt_rows<vf4, 2, 4>(M, N, K, 
 // C (+)= A x B for a B laid out panel by panel: its 32-column panels one after another, panel p (columns 32p ..
 // 32p + 31) at B + p * pstride, K rows of 32 floats each (the kernels' score and weight tiles come so from
 // pack_transposed_panels, their fold tiles are written so element row by element row). Each panel is contiguous,
-// so the tile reads it in place: the row-major tile was copied panel by panel into a stack buffer on every call,
-// also for a tile kept for many blocks (rf::TileMemo).
+// so the tile reads it in place (a row-major tile had to be copied panel by panel on every call, also one kept for
+// many blocks in rf::TileMemo).
 // Columns of the last panel past N are computed and dropped (the panel has 32 readable floats per row).
 inline void gemm_tile_panels(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
                              int64_t pstride, float* C, int64_t ldc, bool accumulate) {

@@ -23,8 +23,7 @@ static int check(const char* name, Gemm f, bool nt) {
   int bad = 0;
   uint32_t seed = 12345;
   auto rnd = [&seed] { seed = seed * 1664525u + 1013904223u; return static_cast<float>(seed >> 8) / 16777216.0f - 0.5f; };
-  // 16 rows and more copy each panel of B where K <= PANEL_K and ldb > 32; pad 0 with N <= 32 is one contiguous
-  // panel (ldb 32), read in place
+  // pad 0 with N <= 32: one contiguous panel (ldb 32), as the kernels' panel-major tiles pass it (gemm_tile_panels)
   for (int pad : {3, 0})
   for (int M : {1, 2, 3, 4, 5, 7, 8, 9, 17, 33})
     for (int N : {1, 3, 4, 5, 8, 16, 31, 33, 65})

@@ -307,13 +307,6 @@ MUTANTS: list[Mutant] = [
       "the NT tile's four-column reduction reads the third column's accumulators for the fourth: every fourth "
       "output column of the fp8 GEMM is a copy of the one before it (every x86 level)",
       ("tests/test_fp8_quant_gemm.py", *NOSLOW), ),
-    M("cpu-math-gemm-panel-copy-drops-last-k", "ops_src/cpu_math.h",
-      "      for (int64_t k = 0; k < K; ++k) std::memcpy(panel + k * 32, B + k * ldb + n0, 32 * sizeof(float));\n",
-      "      for (int64_t k = 0; k + 1 < K; ++k) std::memcpy(panel + k * 32, B + k * ldb + n0, 32 * sizeof(float));\n",
-      "the GEMM tile's contiguous copy of a row-major B panel (16 rows and more, ldb > 32) leaves out the panel's "
-      "last row of K: the product uses a stale row there (every x86 level; the kernels' tiles are panel-major and "
-      "not copied, so only the levels test reaches it)",
-      ("tests/test_cpu_math_exhaustive.py", "-k", "tile_gemms"), ),
     M("tiles-fold-pack-panels-overlap", "generator/codegen/cpu_tiles.py",
       'k.emit(f"float* dp = dst + x0 * {ch};")', 'k.emit(f"float* dp = dst + x0 * ({ch} - 1);")',
       "the fold's packed tile (V of attention) puts its 32-column panels one element row short of apart: each "
