@@ -110,33 +110,37 @@ inline float round_half(float v) { return half_to_float(float_to_half(v)); }
 inline float round_bf16(float v) { return bf16_to_float(float_to_bf16(v)); }
 
 // ------------------------------------------------------------------------------------------ math
-// exp for float: Cody-Waite range reduction + degree-7 Taylor polynomial on |r| <= ln2/2, written branch-free
-// so that loops over it vectorise. exp(-inf) and anything below the smallest normal give exactly 0, exp(+inf)
-// and overflow give +inf, NaN stays NaN. 2^n is applied by adding n to p's exponent field, an integer add: p is
-// in (0.70, 1.42) and n in [-126, 128], so the sum is the float p * 2^n (at the bottom a subnormal's pattern); a
-// float 2^n is +inf at n = 128, which made exp(x) inf for x in (88.38, 88.72]. Measured relative
-// error, x in [ln(FLT_MIN), ln(FLT_MAX)): 3.0e-7 where FMA contracts the range reduction (x86-64-v3, v4),
-// 3.7e-6 without FMA (-ffast-math reassociates the two-part ln2 into one float constant), 3e-6 at the very
-// bottom (subnormal results keep fewer bits).
+// exp for float: Cody-Waite range reduction + a degree-6 polynomial on |r| <= ln2/2, written branch-free so that
+// loops over it vectorise. exp(-inf) and anything below the smallest normal give exactly 0, exp(+inf) and overflow
+// give +inf, NaN stays NaN (a signalling one comes back quiet). 2^n is applied by adding n to p's exponent field,
+// an integer add: p is in (0.70, 1.42) and n in [-126, 128], so the sum is the float p * 2^n (at the bottom a
+// subnormal's pattern); a float 2^n is +inf at n = 128, which made exp(x) inf for x in (88.38, 88.72].
+// The polynomial is 1 + r + r^2 (c2 + c3 r + ... + c6 r^4), c2..c6 fitted by Remez exchange for the least relative
+// error on [-ln2/2, ln2/2] (3.1e-9 in exact arithmetic; the degree-7 Taylor polynomial it replaced had 5.6e-9 and one
+// FMA more). The clamp is a max and a min, and one select gives both +inf past the top and NaN (x + inf): the
+// nested selects before kept more mask registers live than AVX-512 has, and GCC spilled them to the stack. Measured
+// relative error, x in [ln(FLT_MIN), ln(FLT_MAX)): 3.0e-7 where FMA contracts the range reduction (x86-64-v3, v4),
+// 3.7e-6 without FMA (-ffast-math reassociates the two-part ln2 into one float constant), 3.2e-6 at the very bottom
+// (subnormal results keep fewer bits), all as with the Taylor form; a loop of exp(s - m) with a mask select, 256
+// elements in L1, took 16 % less time on AVX-512 and 18 % less on AVX2 (Xeon, family 6 model 207).
 inline float exp(float x) {
   const float hi = 88.72283172607421875f;  // the largest float below ln(FLT_MAX)
   const float lo = -87.33654475f;        // ln(FLT_MIN)
-  const float xc = x < lo ? lo : (x > hi ? hi : x);
+  float xc = lo < x ? x : lo;            // NaN: lo (the result is chosen below)
+  xc = xc < hi ? xc : hi;
   const float n = std::nearbyint(xc * 1.44269504088896341f);
   const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 split: hi + lo parts
-  float p = 1.98412698e-4f;
-  p = p * r + 1.38888889e-3f;
-  p = p * r + 8.33333333e-3f;
-  p = p * r + 4.16666667e-2f;
-  p = p * r + 1.66666667e-1f;
-  p = p * r + 5.0e-1f;
+  float p = 1.3814613e-3f;
+  p = p * r + 8.3687100e-3f;
+  p = p * r + 4.1668389e-2f;
+  p = p * r + 1.6666521e-1f;
+  p = p * r + 4.9999994e-1f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
   const int32_t ni = static_cast<int32_t>(n);
   float y = bits_float(float_bits(p) + (static_cast<uint32_t>(ni) << 23));
   y = x < lo ? 0.0f : y;
-  y = x > hi ? std::numeric_limits<float>::infinity() : y;
-  return x != x ? x : y;
+  return x <= hi ? y : x + std::numeric_limits<float>::infinity();  // past the top: +inf; NaN: NaN
 }
 inline double exp(double x) { return std::exp(x); }
 

@@ -405,6 +405,11 @@ MUTANTS: list[Mutant] = [
       "exp scales by a float 2^n, which is +inf at n = 128: exp(x) for x in (88.38, 88.72] comes out inf where it is "
       "a finite float",
       ("tests/test_cpu_math_exhaustive.py", "-k", "exp"), ),
+    M("cpu-exp-top-select-excludes-top", "ops_src/cpu_math.h",
+      "  return x <= hi ? y : x + std::numeric_limits<float>::infinity();  // past the top: +inf; NaN: NaN\n",
+      "  return x < hi ? y : x + std::numeric_limits<float>::infinity();\n",
+      "exp's last select takes the largest float with a finite exp (88.72) for one past it: exp(88.72) comes out +inf",
+      ("tests/test_cpu_math_exhaustive.py", "-k", "exp"), ),
     M("e4m3-row-dots-huge-x-scaled", "ops_src/cpu_math.h",
       "      huge = huge || std::fabs(x[k0 + k]) > 6.6e35f;\n",
       "      (void)huge;\n",
