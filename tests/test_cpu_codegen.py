@@ -160,6 +160,9 @@ def test_attention_contraction_and_weighted_sum_are_gemm_tiles():
         assert "walked in the order (b, h, i)" in body
         assert "rkey[rb * 2 + 0] = static_cast<double>(ix_b);" in body
         assert "rkey[rb * 2 + 1] = static_cast<double>(lt_g);" in body
+        # the GQA group (an integer division) once per row of the block, not again per element of a pack
+        assert body.count("rf::idiv(") == 2 and "rlt_g[rb] = lt_g;" in body
+        assert "const int64_t lt_g = rlt_g[rs];" in body
         # q . k: each element's K row located once per chunk for the run, then packed by register transposes
         # (panels of 32 elements, [c][32] each) and one GEMM tile against the q rows (a short run: the rows widened
         # and the NT tile)

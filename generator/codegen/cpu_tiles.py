@@ -329,6 +329,8 @@ def block_storage(k) -> None:
     k.emit(f"uint8_t row_sees[{RBLK}];  // per row of the block: whether the mask shows it any element of the chunk")
     for n in ir.rows:
         k.emit(f"int64_t rix_{n}[{RBLK}];")
+    for let in ir.row_lets:  # computed once per block: the packs bind a row per element (a GQA group's idiv)
+        k.emit(f"{'int64_t' if let.symbol.is_integer else 'float'} rlt_{let.name}[{RBLK}];")
     k.emit(f"double rkey[{RBLK * max(1, len(plan.keys))}];  // the streamed operand's row-dependent indices")
 
 
@@ -345,7 +347,7 @@ def bind_row(k, var: str, light: bool = False, guards_of: tuple = ()) -> None:
         k.emit(f"(void)ix_{n};")
     for let in ir.row_lets:
         ty = "int64_t" if let.symbol.is_integer else "float"
-        k.emit(f"const {ty} lt_{let.name} = {k.pr.val(let.expr, let.symbol)};")
+        k.emit(f"const {ty} lt_{let.name} = rlt_{let.name}[{var}];")
         k.emit(f"(void)lt_{let.name};")
     for let in ir.element_lets:
         ty = "int64_t" if let.symbol.is_integer else "float"
@@ -408,7 +410,7 @@ def emit_blocked(k, head: str) -> str:
     for let in ir.row_lets:
         ty = "int64_t" if let.symbol.is_integer else "float"
         k.emit(f"const {ty} lt_{let.name} = {k.pr.val(let.expr, let.symbol)};")
-        k.emit(f"(void)lt_{let.name};")
+        k.emit(f"rlt_{let.name}[rb] = lt_{let.name};")
     k.emit(f"rkey[rb * {nk}] = 0.0;")
     for q, key in enumerate(plan.keys):
         k.emit(f"rkey[rb * {nk} + {q}] = static_cast<double>({k.pr(key)});")
