@@ -1,8 +1,9 @@
 // The CPU kernels' tile GEMMs (ops_src/cpu_math.h: gemm_tile, C += A x B, and gemm_tile_nt, C += A x Bt^T) and the
-// transposing pack of their streamed operand (pack_transposed, float and bf16 sources) at every x86-64 level this CPU
-// runs (v4: AVX-512, v3: AVX2, the base level: SSE2; the panel-major pack and tile that the kernels call,
+// transposing pack of their streamed operand (pack_transposed, float and bf16 sources) at every x86-64 level this
+// CPU runs (v4: AVX-512, v3: AVX2, the base level: SSE2; the panel-major pack and tile that the kernels call,
 // pack_transposed_panels and gemm_tile_panels, at the machine's own), against a float64 loop, over shapes
-// that take every register-block size and remainder (rows 1..33, columns 1..65, reduction lengths 1..600). The
+// that take every register-block size and remainder (rows 1..33, columns 1..65, reduction lengths 1..600); and
+// first_rows, the row of a run each packed element is read with, against a search per element. The
 // op tests reach only the level of the machine they run on; the kernels pick theirs at run time, so a bug in
 // another level's code (its vector width, its lane reduction) would ship untested. Built and run by
 // tests/test_cpu_math_exhaustive.py with the kernels' flags. Prints the mismatch count per level; exits 1 on any.
@@ -140,6 +141,61 @@ PACK_AT(v4, __attribute__((target("arch=x86-64-v4"))))
 PACK_AT(v3, __attribute__((target("arch=x86-64-v3"))))
 #endif
 PACK_AT(base, )
+
+// first_rows (the first row of a run that reads or counts each element of a chunk, for the packs) against a search
+// per element, on flag patterns of every kind the kernels make: all set, none, a causal diagonal (row q sees
+// elements up to q + shift), random with a density from sparse to full, runs that start past row 0 and chunks
+// shorter than the row stride; entries past n untouched.
+#define FIRST_ROWS_AT(level, attr)                                                                              \
+  attr static void first_rows_##level(const uint8_t* f, int64_t ld, int64_t r0, int64_t r1, int64_t n,         \
+                                      int32_t* first) {                                                         \
+    rf::first_rows(f, ld, r0, r1, n, first);                                                                    \
+  }
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+FIRST_ROWS_AT(v4, __attribute__((target("arch=x86-64-v4"))))
+FIRST_ROWS_AT(v3, __attribute__((target("arch=x86-64-v3"))))
+#endif
+FIRST_ROWS_AT(base, )
+using FirstRows = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, int32_t*);
+
+static int check_first_rows(const char* name, FirstRows f) {
+  int bad = 0;
+  uint32_t seed = 12345u;
+  const int64_t ld = 256;
+  std::vector<uint8_t> flags(128 * ld);
+  std::vector<int32_t> first(ld + 1);
+  for (int kind = 0; kind < 4; ++kind)
+    for (int64_t n : {1, 15, 16, 17, 100, 128, 255, 256})
+      for (int64_t r0 : {0, 3})
+        for (int64_t r1 : {r0 + 1, r0 + 2, int64_t(64), int64_t(128)})
+          for (int trial = 0; trial < (kind == 3 ? 8 : 1); ++trial) {
+            const uint32_t density = static_cast<uint32_t>(trial) * 37u;  // of 256
+            for (int64_t q = 0; q < 128; ++q)
+              for (int64_t j = 0; j < ld; ++j) {
+                seed = seed * 1664525u + 1013904223u;
+                const uint8_t v = kind == 0 ? 1 : kind == 1 ? 0 : kind == 2 ? (j <= q - r0 + (trial % 3)) : ((seed >> 24) < density);
+                flags[q * ld + j] = v;
+              }
+            std::fill(first.begin(), first.end(), 777);
+            f(flags.data(), ld, r0, r1, n, first.data());
+            for (int64_t j = 0; j <= ld; ++j) {
+              int32_t want = 777;
+              if (j < n) {
+                want = -1;
+                for (int64_t q = r0; q < r1; ++q)
+                  if (flags[q * ld + j]) {
+                    want = static_cast<int32_t>(q);
+                    break;
+                  }
+              }
+              if (first[j] != want && bad++ < 5)
+                std::printf("%s kind %d n%ld rows [%ld, %ld) trial %d: element %ld row %d, want %d\n", name, kind,
+                            long(n), long(r0), long(r1), trial, long(j), first[j], want);
+            }
+          }
+  std::printf("%s mismatches: %d\n", name, bad);
+  return bad;
+}
 
 // The bf16 pair tile (gemm_tile_bf16, where the CPU has AVX512_BF16) with its packs: the row factor rounded to
 // pairs (pairs_from_floats, odd lengths padded with 0), a fold's [element][n] tile interleaved from element rows
@@ -298,6 +354,7 @@ int main() {
     bad += check_pack<float>("pack_transposed_v4 float", pack_v4<float>);
     bad += check_pack<rf::bf16_t>("pack_transposed_v4 bf16", pack_v4<rf::bf16_t>);
     bad += check_e4m3_rows("e4m3_row_dots_v4", rf::e4m3_row_dots_v4);
+    bad += check_first_rows("first_rows_v4", first_rows_v4);
   } else {
     std::printf("x86-64-v4 not supported here: skipped\n");
   }
@@ -307,6 +364,7 @@ int main() {
     bad += check_pack<float>("pack_transposed_v3 float", pack_v3<float>);
     bad += check_pack<rf::bf16_t>("pack_transposed_v3 bf16", pack_v3<rf::bf16_t>);
     bad += check_e4m3_rows("e4m3_row_dots_v3", rf::e4m3_row_dots_v3);
+    bad += check_first_rows("first_rows_v3", first_rows_v3);
   } else {
     std::printf("x86-64-v3 not supported here: skipped\n");
   }
@@ -324,5 +382,6 @@ int main() {
   bad += check_pack<float>("pack_transposed_base float", pack_base<float>);
   bad += check_pack<rf::bf16_t>("pack_transposed_base bf16", pack_base<rf::bf16_t>);
   bad += check_panels();
+  bad += check_first_rows("first_rows_base", first_rows_base);
   return bad != 0;
 }

@@ -327,6 +327,8 @@ def block_storage(k) -> None:
                    "no row counts")
             k.emit(f"const {bt}* {g.pack}_rows[{ch}];  // where each element's row starts (at {g.free} = 0)")
     k.emit(f"uint8_t row_sees[{RBLK}];  // per row of the block: whether the mask shows it any element of the chunk")
+    k.emit(f"int32_t frow_ok[{ch}];  // per element of the chunk: the first row of the run that reads it (rf::first_rows)")
+    k.emit(f"int32_t frow_cnt[{ch}];  // ... and the first that counts it")
     for n in ir.rows:
         k.emit(f"int64_t rix_{n}[{RBLK}];")
     for let in ir.row_lets:  # computed once per block: the packs bind a row per element (a GQA group's idiv)
@@ -504,11 +506,16 @@ def _any_live(k, flags: str) -> None:
     k.block("if (live)")
 
 
+def _first_rows(k, flags: str) -> None:
+    """frow_<flags>[jj] = the first row of the run for which element jj of the chunk is in `flags` (ok or cnt), or
+    -1, for jj < cn: computed once per chunk and run, for every pack over the elements that follows."""
+    k.emit(f"rf::first_rows(bel_{flags}, {k.chunk}, r0, r1, cn, frow_{flags});")
+
+
 def _first_row(k, flags: str, cond: str = "true") -> None:
-    """rs = the first row of the run for which element jj is in `flags` (ok or cnt), or -1."""
-    ch = k.chunk
-    k.emit("int64_t rs = -1;")
-    k.emit(f"if ({cond}) for (int64_t q = r0; q < r1; ++q) if (bel_{flags}[q * {ch} + jj]) {{ rs = q; break; }}")
+    """rs = the first row of the run for which element jj is in `flags` (ok or cnt), or -1 (_first_rows)."""
+    value = f"frow_{flags}[jj]" if cond == "true" else f"{cond} ? frow_{flags}[jj] : -1"
+    k.emit(f"const int64_t rs = {value};")
 
 
 def _pack_sum(k, g: GemmSum) -> None:
@@ -529,6 +536,7 @@ def _pack_sum(k, g: GemmSum) -> None:
             [f"b{g.dots}[r0 * {ch} + jb + {u}] = d{u};"]), c, None)
         k.end("} else {")
         k.ind += 1
+    _first_rows(k, "ok")
     if _row_read(k, g):
         k.emit("// the chunk's rows of the operand, contiguous along the contraction")
         name = str(g.elem.base.label)
@@ -773,6 +781,7 @@ def _pack_fold(k, g: GemmFold, f) -> None:
         k.ind += 1
     lo, hi = k.bounds(n)
     pairs = pairs_fold(k, g)
+    _first_rows(k, "cnt")
     if pairs:
         _fold_pair_rows(k, g)
     else:
@@ -853,9 +862,8 @@ def _fold_pair_rows(k, g: GemmFold) -> None:
 def _counted_flags(k, g: GemmFold) -> None:
     """The fold tile's memo flags where no pair pass set them: the elements some row of the run counts."""
     ch = k.chunk
-    k.emit(f"for (int64_t jj = 0; jj < {ch}; ++jj) {g.pack}_real[jj] = 0;  // the elements some row counts")
-    k.emit(f"for (int64_t q = r0; q < r1; ++q) for (int64_t jj = 0; jj < cn; ++jj) "
-           f"{g.pack}_real[jj] |= bel_cnt[q * {ch} + jj];")
+    k.emit(f"for (int64_t jj = 0; jj < {ch}; ++jj) {g.pack}_real[jj] = jj < cn && frow_cnt[jj] >= 0;  "
+           "// the elements some row counts")
 
 
 def _tile_or_counted(k, g: GemmFold, tile: str | list[str], packed: str) -> None:

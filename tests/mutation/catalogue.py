@@ -410,6 +410,12 @@ MUTANTS: list[Mutant] = [
       "  return x < hi ? y : x + std::numeric_limits<float>::infinity();\n",
       "exp's last select takes the largest float with a finite exp (88.72) for one past it: exp(88.72) comes out +inf",
       ("tests/test_cpu_math_exhaustive.py", "-k", "exp"), ),
+    M("cpu-math-first-rows-stops-after-one-row", "ops_src/cpu_math.h",
+      "      missing |= v;\n",
+      "      missing &= v;\n",
+      "first_rows stops after the run's first row: the elements that row does not see (a causal chunk on the "
+      "diagonal) are packed as the zero row for every row of the run",
+      ("tests/test_fused_attention.py", *NOSLOW), ),
     M("e4m3-row-dots-huge-x-scaled", "ops_src/cpu_math.h",
       "      huge = huge || std::fabs(x[k0 + k]) > 6.6e35f;\n",
       "      (void)huge;\n",
