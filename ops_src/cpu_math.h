@@ -795,21 +795,23 @@ inline void gemm_tile_bf16(int64_t M, int64_t N, int64_t KP, const uint32_t* A, 
 #endif
 
 // ------------------------------------------------------------------------------------------ a run's first rows
-// first[j] = the first row q in [r0, r1) whose flag for element j is set (flags[q * ld + j] != 0), or -1, for
-// j < n: the row whose bindings address element j of a run's packed tile. Row by row over all the elements (the
-// loop vectorises), until every element has its row: one row where the first row sees the whole chunk, every
-// row of the block on a causal diagonal, whose element j is seen first by row j. A search per element down the
-// rows (byte loads ld apart) was 18 % of causal fused_attention's block function (fp32, S256, 1 thread).
+// first[j] = the first row q in [r0, r1) whose flag for element j is set (flags[q * ld + j] != 0), as q - r0, or
+// -1, for j < n (r1 - r0 <= 128, a block's rows): the row whose bindings address element j of a run's packed tile.
+// Row by row over all the elements (the loop vectorises, 64 elements a step at AVX-512), until every element has
+// its row: one row where the first row sees the whole chunk, every row of the block on a causal diagonal, whose
+// element j is seen first by row j. A search per element down the rows (byte loads ld apart) was 18 % of causal
+// fused_attention's block function (fp32, S256, 1 thread); this with int32 entries 8 %.
 __attribute__((always_inline)) inline void first_rows(const uint8_t* flags, int64_t ld, int64_t r0, int64_t r1,
-                                                      int64_t n, int32_t* first) {
+                                                      int64_t n, int8_t* first) {
   for (int64_t j = 0; j < n; ++j) first[j] = -1;
   for (int64_t q = r0; q < r1; ++q) {
     const uint8_t* fq = flags + q * ld;
-    int32_t missing = 0;  // the OR of the rows found so far: negative while some element has none
+    const int8_t at = static_cast<int8_t>(q - r0);
+    int8_t missing = 0;  // the OR of the rows found so far: negative while some element has none
     for (int64_t j = 0; j < n; ++j) {
-      const int32_t v = ((first[j] < 0) & (fq[j] != 0)) ? static_cast<int32_t>(q) : first[j];
+      const int8_t v = ((first[j] < 0) & (fq[j] != 0)) ? at : first[j];
       first[j] = v;
-      missing |= v;
+      missing = static_cast<int8_t>(missing | v);
     }
     if (missing >= 0) return;
   }

@@ -148,7 +148,7 @@ PACK_AT(base, )
 // shorter than the row stride; entries past n untouched.
 #define FIRST_ROWS_AT(level, attr)                                                                              \
   attr static void first_rows_##level(const uint8_t* f, int64_t ld, int64_t r0, int64_t r1, int64_t n,         \
-                                      int32_t* first) {                                                         \
+                                      int8_t* first) {                                                          \
     rf::first_rows(f, ld, r0, r1, n, first);                                                                    \
   }
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -156,14 +156,14 @@ FIRST_ROWS_AT(v4, __attribute__((target("arch=x86-64-v4"))))
 FIRST_ROWS_AT(v3, __attribute__((target("arch=x86-64-v3"))))
 #endif
 FIRST_ROWS_AT(base, )
-using FirstRows = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, int32_t*);
+using FirstRows = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, int8_t*);
 
 static int check_first_rows(const char* name, FirstRows f) {
   int bad = 0;
   uint32_t seed = 12345u;
   const int64_t ld = 256;
   std::vector<uint8_t> flags(128 * ld);
-  std::vector<int32_t> first(ld + 1);
+  std::vector<int8_t> first(ld + 1);
   for (int kind = 0; kind < 4; ++kind)
     for (int64_t n : {1, 15, 16, 17, 100, 128, 255, 256})
       for (int64_t r0 : {0, 3})
@@ -176,21 +176,21 @@ static int check_first_rows(const char* name, FirstRows f) {
                 const uint8_t v = kind == 0 ? 1 : kind == 1 ? 0 : kind == 2 ? (j <= q - r0 + (trial % 3)) : ((seed >> 24) < density);
                 flags[q * ld + j] = v;
               }
-            std::fill(first.begin(), first.end(), 777);
+            std::fill(first.begin(), first.end(), int8_t(77));
             f(flags.data(), ld, r0, r1, n, first.data());
             for (int64_t j = 0; j <= ld; ++j) {
-              int32_t want = 777;
+              int32_t want = 77;
               if (j < n) {
                 want = -1;
                 for (int64_t q = r0; q < r1; ++q)
                   if (flags[q * ld + j]) {
-                    want = static_cast<int32_t>(q);
+                    want = static_cast<int32_t>(q - r0);
                     break;
                   }
               }
               if (first[j] != want && bad++ < 5)
                 std::printf("%s kind %d n%ld rows [%ld, %ld) trial %d: element %ld row %d, want %d\n", name, kind,
-                            long(n), long(r0), long(r1), trial, long(j), first[j], want);
+                            long(n), long(r0), long(r1), trial, long(j), int(first[j]), want);
             }
           }
   std::printf("%s mismatches: %d\n", name, bad);

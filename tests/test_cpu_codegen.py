@@ -167,7 +167,8 @@ def test_attention_contraction_and_weighted_sum_are_gemm_tiles():
         # per element down the rows was 18 % of the causal block function), for the K pack and the V pack
         assert f"rf::first_rows(bel_ok, {C}, r0, r1, cn, frow_ok);" in body
         assert f"rf::first_rows(bel_cnt, {C}, r0, r1, cn, frow_cnt);" in body
-        assert "const int64_t rs = jj < cn ? frow_ok[jj] : -1;" in body and "const int64_t rs = frow_cnt[jj];" in body
+        assert "const int64_t rs = !(jj < cn) || frow_ok[jj] < 0 ? -1 : r0 + frow_ok[jj];" in body
+        assert "const int64_t rs = frow_cnt[jj] < 0 ? -1 : r0 + frow_cnt[jj];" in body
         assert "for (int64_t q = r0; q < r1; ++q) if (bel_" not in body
         # q . k: each element's K row located once per chunk for the run, then packed by register transposes
         # (panels of 32 elements, [c][32] each) and one GEMM tile against the q rows (a short run: the rows widened

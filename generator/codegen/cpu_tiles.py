@@ -327,8 +327,9 @@ def block_storage(k) -> None:
                    "no row counts")
             k.emit(f"const {bt}* {g.pack}_rows[{ch}];  // where each element's row starts (at {g.free} = 0)")
     k.emit(f"uint8_t row_sees[{RBLK}];  // per row of the block: whether the mask shows it any element of the chunk")
-    k.emit(f"int32_t frow_ok[{ch}];  // per element of the chunk: the first row of the run that reads it (rf::first_rows)")
-    k.emit(f"int32_t frow_cnt[{ch}];  // ... and the first that counts it")
+    k.emit(f"int8_t frow_ok[{ch}];  // per element of the chunk: the first row of the run that reads it, from r0 "
+           "(rf::first_rows)")
+    k.emit(f"int8_t frow_cnt[{ch}];  // ... and the first that counts it")
     for n in ir.rows:
         k.emit(f"int64_t rix_{n}[{RBLK}];")
     for let in ir.row_lets:  # computed once per block: the packs bind a row per element (a GQA group's idiv)
@@ -507,15 +508,16 @@ def _any_live(k, flags: str) -> None:
 
 
 def _first_rows(k, flags: str) -> None:
-    """frow_<flags>[jj] = the first row of the run for which element jj of the chunk is in `flags` (ok or cnt), or
-    -1, for jj < cn: computed once per chunk and run, for every pack over the elements that follows."""
+    """frow_<flags>[jj] = the first row of the run for which element jj of the chunk is in `flags` (ok or cnt), from
+    r0, or -1, for jj < cn: computed once per chunk and run, for every pack over the elements that follows."""
     k.emit(f"rf::first_rows(bel_{flags}, {k.chunk}, r0, r1, cn, frow_{flags});")
 
 
 def _first_row(k, flags: str, cond: str = "true") -> None:
     """rs = the first row of the run for which element jj is in `flags` (ok or cnt), or -1 (_first_rows)."""
-    value = f"frow_{flags}[jj]" if cond == "true" else f"{cond} ? frow_{flags}[jj] : -1"
-    k.emit(f"const int64_t rs = {value};")
+    first = f"frow_{flags}[jj]"
+    none = f"{first} < 0" if cond == "true" else f"!({cond}) || {first} < 0"  # (past cn: not read)
+    k.emit(f"const int64_t rs = {none} ? -1 : r0 + {first};")
 
 
 def _pack_sum(k, g: GemmSum) -> None:

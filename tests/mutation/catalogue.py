@@ -411,8 +411,8 @@ MUTANTS: list[Mutant] = [
       "exp's last select takes the largest float with a finite exp (88.72) for one past it: exp(88.72) comes out +inf",
       ("tests/test_cpu_math_exhaustive.py", "-k", "exp"), ),
     M("cpu-math-first-rows-stops-after-one-row", "ops_src/cpu_math.h",
-      "      missing |= v;\n",
-      "      missing &= v;\n",
+      "      missing = static_cast<int8_t>(missing | v);\n",
+      "      missing = static_cast<int8_t>(missing & v);\n",
       "first_rows stops after the run's first row: the elements that row does not see (a causal chunk on the "
       "diagonal) are packed as the zero row for every row of the run",
       ("tests/test_fused_attention.py", *NOSLOW), ),
