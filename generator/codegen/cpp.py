@@ -26,6 +26,11 @@ FLOAT_FUNCS = {sp.exp: "rf::exp", sp.log: "rf::log", sp.sin: "std::sin", sp.cos:
 ROUNDING = {cast_e4m3: "rf::round_e4m3", cast_float16: "rf::round_half", cast_bfloat16: "rf::round_bf16"}
 
 
+def let_type(let) -> str:
+    """The C type of a let's value: int64_t for an integer let (an index), float otherwise."""
+    return "int64_t" if let.symbol.is_integer else "float"
+
+
 def float_literal(v: float) -> str:
     if v == float("inf"):
         return "rf::kInf"

@@ -28,7 +28,7 @@ from ..symbolic.expr import (
 )
 from ..symbolic.forms import Analysis, OpAnalysis, ReductionForm, element_atoms
 from ..symbolic.order import Condition, increasing_in
-from .cpp import CppPrinter, float_literal
+from .cpp import CppPrinter, float_literal, let_type
 from .cpu_tiles import (
     RBLK,
     block_chunk,
@@ -445,7 +445,7 @@ class _Kernel:
         """Element arrays of one chunk of one row."""
         ir = self.ir
         for let in ir.element_lets:
-            ty = "int64_t" if let.symbol.is_integer else "float"
+            ty = let_type(let)
             self.emit(f"{ty} el_{let.name}[{self.chunk}];")
         self.emit(f"uint8_t el_ok[{self.chunk}];   // mask holds")
         self.emit(f"uint8_t el_cnt[{self.chunk}];  // counted by non-selection reductions (mask, not the mask value)")
@@ -531,7 +531,7 @@ class _Kernel:
         for let in self.sorted_element_lets():
             if let.name not in self.tabled:
                 continue
-            ty = "int64_t" if let.symbol.is_integer else "float"
+            ty = let_type(let)
             self.emit(f"std::vector<{ty}> tab_{let.name}(ex_{ir.over});  // row-invariant element let")
             self.emit(f"for (int64_t ix_{ir.over} = 0; ix_{ir.over} < ex_{ir.over}; ++ix_{ir.over}) "
                       f"tab_{let.name}[ix_{ir.over}] = {self.pr.val(let.expr, let.symbol)};")
@@ -695,7 +695,7 @@ class _Kernel:
             self.emit(f"rem /= ex_{n};")
         self.emit("(void)rem;")
         for let in ir.row_lets:
-            ty = "int64_t" if let.symbol.is_integer else "float"
+            ty = let_type(let)
             self.emit(f"const {ty} lt_{let.name} = {self.pr.val(let.expr, let.symbol)};")
         if self.tcache is not None:
             self.term_row()

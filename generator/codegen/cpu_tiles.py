@@ -31,6 +31,7 @@ import sympy as sp
 
 from ..spec import DTYPE_BYTES
 from ..symbolic.expr import Cast, cast_float32
+from .cpp import let_type
 
 RBLK = 128  # most rows of one block (the M side of the GEMM tiles)
 SHARE_ROWS = 32  # blocks smaller than this are not split in two per thread (block_dispatch)
@@ -246,7 +247,7 @@ def block_storage(k) -> None:
     """Element arrays of one chunk for every row of a block, the packed tiles and the per-row buffers."""
     ir, plan, ch = k.ir, k.plan, k.chunk
     for let in ir.element_lets:
-        ty = "int64_t" if let.symbol.is_integer else "float"
+        ty = let_type(let)
         k.emit(f"std::vector<{ty}> bel_{let.name}_v({ch * RBLK});")
         k.emit(f"{ty}* bel_{let.name} = bel_{let.name}_v.data();")
     for flag in ("ok", "cnt"):
@@ -333,7 +334,7 @@ def block_storage(k) -> None:
     for n in ir.rows:
         k.emit(f"int64_t rix_{n}[{RBLK}];")
     for let in ir.row_lets:  # computed once per block: the packs bind a row per element (a GQA group's idiv)
-        k.emit(f"{'int64_t' if let.symbol.is_integer else 'float'} rlt_{let.name}[{RBLK}];")
+        k.emit(f"{let_type(let)} rlt_{let.name}[{RBLK}];")
     k.emit(f"double rkey[{RBLK * max(1, len(plan.keys))}];  // the streamed operand's row-dependent indices")
 
 
@@ -349,11 +350,11 @@ def bind_row(k, var: str, light: bool = False, guards_of: tuple = ()) -> None:
         k.emit(f"const int64_t ix_{n} = rix_{n}[{var}];")
         k.emit(f"(void)ix_{n};")
     for let in ir.row_lets:
-        ty = "int64_t" if let.symbol.is_integer else "float"
+        ty = let_type(let)
         k.emit(f"const {ty} lt_{let.name} = rlt_{let.name}[{var}];")
         k.emit(f"(void)lt_{let.name};")
     for let in ir.element_lets:
-        ty = "int64_t" if let.symbol.is_integer else "float"
+        ty = let_type(let)
         k.emit(f"{ty}* el_{let.name} = bel_{let.name} + {var} * {ch};")
         k.emit(f"(void)el_{let.name};")
     k.emit(f"uint8_t* el_ok = bel_ok + {var} * {ch};")
@@ -411,7 +412,7 @@ def emit_blocked(k, head: str) -> str:
         k.emit(f"rem /= ex_{n};")
         k.emit(f"rix_{n}[rb] = ix_{n};")
     for let in ir.row_lets:
-        ty = "int64_t" if let.symbol.is_integer else "float"
+        ty = let_type(let)
         k.emit(f"const {ty} lt_{let.name} = {k.pr.val(let.expr, let.symbol)};")
         k.emit(f"rlt_{let.name}[rb] = lt_{let.name};")
     k.emit(f"rkey[rb * {nk}] = 0.0;")
