@@ -160,8 +160,12 @@ def test_attention_contraction_and_weighted_sum_are_gemm_tiles():
         assert "walked in the order (b, h, i)" in body
         assert "rkey[rb * 2 + 0] = static_cast<double>(ix_b);" in body
         assert "rkey[rb * 2 + 1] = static_cast<double>(lt_g);" in body
-        # the GQA group (an integer division) once per row of the block, not again per element of a pack
+        # the GQA group (an integer division) at most once per row of the block (again only where h moved), not
+        # again per element of a pack; the rows' indices counted up from the block's first, not divided out per row
         assert body.count("rf::idiv(") == 2 and "rlt_g[rb] = lt_g;" in body
+        assert "if (rb == 0 || ix_h != rix_h[rb - 1]) pl_g = rf::idiv(ix_h, rf::idiv(sz_H, sz_Hk));" in body
+        assert "if (++cx_i == ex_i) { cx_i = 0; if (++cx_h == ex_h) { cx_h = 0; ++cx_b; } }" in body
+        assert "int64_t rem = p0 + rb;" not in body
         assert "const int64_t lt_g = rlt_g[rs];" in body
         # the row each packed element is read with: found for all the chunk's elements at once per run (a search
         # per element down the rows was 18 % of the causal block function), for the K pack and the V pack

@@ -416,6 +416,18 @@ MUTANTS: list[Mutant] = [
       "first_rows stops after the run's first row: the elements that row does not see (a causal chunk on the "
       "diagonal) are packed as the zero row for every row of the run",
       ("tests/test_fused_attention.py", *NOSLOW), ),
+    M("tiles-row-let-kept-across-heads", "generator/codegen/cpu_tiles.py",
+      '        moved = "".join(f" || ix_{n} != rix_{n}[rb - 1]" for n in plan.order if n in reads[let.name])\n',
+      '        moved = ""\n',
+      "a block's row lets are computed for its first row only: where a block spans several heads, the later ones "
+      "read the first head's GQA group of K and V",
+      ATTN, ),
+    M("tiles-row-count-carry-skips-zero", "generator/codegen/cpu_tiles.py",
+      '            carry += f"if (++cx_{n} == ex_{n}) {{ cx_{n} = 0; "\n',
+      '            carry += f"if (++cx_{n} == ex_{n}) {{ cx_{n} = 1; "\n',
+      "counting the rows of a block up, an index that wraps restarts at 1: the block's rows after a head's last "
+      "query row skip the next head's first one and run one past the end",
+      ATTN, ),
     M("e4m3-row-dots-huge-x-scaled", "ops_src/cpu_math.h",
       "      huge = huge || std::fabs(x[k0 + k]) > 6.6e35f;\n",
       "      (void)huge;\n",
