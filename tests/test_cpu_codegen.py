@@ -186,14 +186,20 @@ def test_attention_contraction_and_weighted_sum_are_gemm_tiles():
                          rf"bdots\d+", body)
         assert re.search(r"el_s\[jj\] = \(p_softmax_scale \* dots\d+\[jj\]\);", body)
         assert not re.search(r"float dot\d+ = 0.0f;", body)
-        # o[d] += p_j v[j, d]: the weights per row (0 where not counted), then V packed once (panels of 32 d,
+        # o[d] += p_j v[j, d]: the weights per row (0 where not counted: where the score is at its mask value, which
+        # a masked score holds, so no flag bytes are read in the float loop), then V packed once (panels of 32 d,
         # [element][32] each) and one GEMM tile; a tile with an inf/NaN reads the same layout element by element
-        assert re.search(r"wts\d+\[jj\] = el_cnt\[jj\] \? v : 0.0f;", body)
+        assert re.search(r"wts\d+\[jj\] = !\(el_s\[jj\] == \(-rf::kInf\)\) \? v : 0.0f;", body)
+        assert not re.search(r"wts\d+\[jj\] = el_cnt", body)
         assert f"float* dp = dst + x0 * {C};" in body and "dp[ix_d - n0 - x0] = v;" in body
         assert re.search(rf"rf::gemm_tile_panels\(r1 - r0, nt, cn, bwts\d+ \+ r0 \* {C}, {C}, pt, {C} \* 32, bst_o", body)
         assert f"acc[x] = acc[x] + w * pt[x / 32 * {C * 32} + jj * 32 + x % 32];" in body
         # the correction is applied per row before the tile is folded in, and skipped where it is exactly 1
         assert "if (cr_o != 1.0f) for (int64_t r = col_lo; r < col_hi; ++r) st_o[r] = st_o[r] * cr_o;" in body
+        # out[b, i, h, d]: d innermost, so a copy of the loop for a unit stride (and the strided one for the rest)
+        assert "if (ost_out[3] == 1) {" in body
+        assert "rf::store(&o_out[ix_b * ost_out[0] + ix_i * ost_out[1] + ix_h * ost_out[2] + ix_d], " in body
+        assert "rf::store(&o_out[ix_b * ost_out[0] + ix_i * ost_out[1] + ix_h * ost_out[2] + ix_d * ost_out[3]], " in body
         assert body.index("st_o[r] = st_o[r] * cr_o") < body.index("rf::gemm_tile_panels(r1 - r0, nt, cn")
 
 
@@ -207,6 +213,10 @@ def test_fp8_weight_decoded_once_per_tile():
         assert "__builtin_prefetch(&t_w[" in body and "c0 += 256" in body
         assert re.search(r"rf::gemm_tile_nt\(r1 - r0, nt, cn, bwts\d+ \+ r0 \* 256, 256, pk\d+, 256, bst_acc", body)
         assert body.count("rf::ld(t_w[") == 1  # read only where the tile is packed
+        # every element counts (no mask, no mask value): the quantised x is the weight as it is, no flag read
+        assert re.search(r"wts\d+\[jj\] = rf::round_e4m3\(", body) and not re.search(r"wts\d+\[jj\] = el_cnt", body)
+        # the output row of N floats: a copy of its loop for a unit stride, which vectorises
+        assert "if (ost_out[1] == 1) {" in body and "rf::store(&o_out[ix_m * ost_out[0] + ix_n], " in body
         # a run of more than NT_RUN rows transposes the decoded tile and takes the register-blocked tile instead
         long = re.search(r"if \(r1 - r0 > 32\) \{\s*(//[^\n]*\n\s*)*rf::pack_transposed_panels\(nt, cn, (pk\d+)_rows, "
                          r"(pk\d+)t, 8192\);\s*rf::gemm_tile_panels\(r1 - r0, nt, cn, bwts\d+ \+ r0 \* 256, 256, pk\d+t, "

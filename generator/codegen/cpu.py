@@ -935,6 +935,17 @@ class _Kernel:
             counted += f" && !({self.pr(atom)} == {float_literal(float(value))})"
         return counted
 
+    def counted_by_value(self) -> str | None:
+        """`counted` without the flags of the mask, where the element's values tell: without a mask every element
+        is ok, and with one, masked elements hold their mask values in every let that has one (mask_and_early_lets
+        fills them), so an element counts exactly when no such let holds its mask value ("true" where no let has
+        one). None where that does not hold (a mask value held by a let the mask itself reads, or none at all)."""
+        filled = {let.symbol for let in self.ir.element_lets if let.name not in self.mask_lets()}
+        if self.ir.mask not in (sp.true, True) and not (self.a.mask_value and set(self.a.mask_value) <= filled):
+            return None
+        return " && ".join(f"!({self.pr(atom)} == {float_literal(float(value))})"
+                           for atom, value in self.a.mask_value.items()) or "true"
+
     def contraction_lets(self, lets: list) -> set[str] | None:
         """The lets holding a contraction or reading one (through other lets), when every contraction's summand
         reads only indices, tensors, row values and lets outside that set (so it can be computed for several
@@ -1623,9 +1634,10 @@ class _Kernel:
             if o.per_element:  # row constants of a per-element value: once per row, not once per element
                 value = self.hoist(value, tuple(loops))
             last = len(o.index) - 1
-            # a per-element output whose innermost index is the streamed one gets a copy of its loops for a unit
-            # inner stride (the usual case: outputs are allocated contiguous), which the compiler can vectorise
-            unit = o.per_element and o.index[last] == ir.over
+            # an output whose innermost index is one of its loops (the streamed index of a per-element output, the
+            # free index of a state: attention's d) gets a copy of its loops for a unit inner stride (the usual
+            # case: outputs are allocated contiguous), which the compiler can vectorise
+            unit = bool(loops) and o.index[last] == loops[-1]
             if unit:
                 self.block(f"if (ost_{o.name}[{last}] == 1)")
             saved = dict(self.local)

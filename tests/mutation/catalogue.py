@@ -428,6 +428,12 @@ MUTANTS: list[Mutant] = [
       "counting the rows of a block up, an index that wraps restarts at 1: the block's rows after a head's last "
       "query row skip the next head's first one and run one past the end",
       ATTN, ),
+    M("cpu-counted-by-value-inverted", "generator/codegen/cpu.py",
+      '        return " && ".join(f"!({self.pr(atom)} == {float_literal(float(value))})"\n',
+      '        return " && ".join(f"({self.pr(atom)} == {float_literal(float(value))})"\n',
+      "the fold's weights count the elements at their mask value instead of the others: every weight of a row "
+      "is 0 (or exp(-inf - m))",
+      ATTN, ),
     M("e4m3-row-dots-huge-x-scaled", "ops_src/cpu_math.h",
       "      huge = huge || std::fabs(x[k0 + k]) > 6.6e35f;\n",
       "      (void)huge;\n",
