@@ -123,12 +123,12 @@ inline float round_bf16(float v) { return bf16_to_float(float_to_bf16(v)); }
 // elements in L1, took 7-12 % less time at AVX-512.
 // The polynomial is 1 + r + r^2 (c2 + c3 r + ... + c6 r^4), c2..c6 fitted by Remez exchange for the least relative
 // error on [-ln2/2, ln2/2] (3.1e-9 in exact arithmetic; the degree-7 Taylor polynomial it replaced had 5.6e-9 and one
-// FMA more). One select gives both +inf past the top and NaN (x + inf): the
-// nested selects before kept more mask registers live than AVX-512 has, and GCC spilled them to the stack. Measured
-// relative error, x in [ln(FLT_MIN), ln(FLT_MAX)): 3.0e-7 where FMA contracts the range reduction (x86-64-v3, v4),
-// 4.1e-6 without FMA (-ffast-math reassociates the two-part ln2 into one float constant), 3.2e-6 at the very bottom
-// (subnormal results keep fewer bits), all as with the Taylor form; a loop of exp(s - m) with a mask select, 256
-// elements in L1, took 16 % less time on AVX-512 and 18 % less on AVX2 (Xeon, family 6 model 207).
+// FMA more). One select gives both +inf past the top and NaN (x + inf): the nested selects before kept more mask
+// registers live than AVX-512 has, and GCC spilled them to the stack. Measured relative error, x in [ln(FLT_MIN),
+// ln(FLT_MAX)): 3.0e-7 where FMA contracts the range reduction (x86-64-v3, v4), 4.1e-6 without FMA (-ffast-math
+// reassociates the two-part ln2 into one float constant; 3.7e-6 with the clamp on x), 3.2e-6 at the very bottom
+// (subnormal results keep fewer bits); against the degree-7 Taylor form, a loop of exp(s - m) with a mask select,
+// 256 elements in L1, took 16 % less time on AVX-512 and 18 % less on AVX2 (Xeon, family 6 model 207).
 inline float exp(float x) {
   const float hi = 88.72283172607421875f;  // the largest float below ln(FLT_MAX)
   const float lo = -87.33654475f;        // ln(FLT_MIN)
