@@ -154,8 +154,16 @@ def test_attention_contraction_and_weighted_sum_are_gemm_tiles():
     assert "const bool ok = true;" in bodies[0] and "const bool ok = true;" not in bodies[1]
     # a masked element's score holds the mask value (-inf); without a mask every score is computed: no fill
     assert "el_s[jj] = (-rf::kInf);" not in bodies[0] and "el_s[jj] = (-rf::kInf);" in bodies[1]
+    # without a mask every chunk; with the causal mask each row's range of j (j <= i + Sk - Sq) is worked out with
+    # its indices, and a run walks only the chunks in the union of its rows' ranges (past the diagonal: none)
+    assert f"for (int64_t c0 = 0; c0 < ex_j; c0 += {SCHUNK_OPEN})" in bodies[0] and "rvis_hi" not in bodies[0]
+    assert "vhi = std::min<int64_t>(vhi, static_cast<int64_t>((ix_i + sz_Sk + (int64_t(-1) * sz_Sq))) + 1);" in bodies[1]
+    assert "vlo = std::max" not in bodies[1]
+    assert "vis_hi = std::max(vis_hi, rvis_hi[q]);" in bodies[1]
+    assert f"const int64_t c_begin = vis_lo < vis_hi ? vis_lo / {SCHUNK} * {SCHUNK} : 0;" in bodies[1]
+    assert f"for (int64_t c0 = c_begin; c0 < c_end; c0 += {SCHUNK})" in bodies[1]
+    assert f"for (int64_t c0 = 0; c0 < ex_j; c0 += {SCHUNK})" not in bodies[1]
     for body, C in zip(bodies, (SCHUNK_OPEN, SCHUNK)):
-        assert f"for (int64_t c0 = 0; c0 < ex_j; c0 += {C})" in body
         # rows are walked with the K/V indices (b, and h through the GQA head g) outermost; runs share the key
         assert "walked in the order (b, h, i)" in body
         assert "rkey[rb * 2 + 0] = static_cast<double>(ix_b);" in body
@@ -201,6 +209,19 @@ def test_attention_contraction_and_weighted_sum_are_gemm_tiles():
         assert "rf::store(&o_out[ix_b * ost_out[0] + ix_i * ost_out[1] + ix_h * ost_out[2] + ix_d], " in body
         assert "rf::store(&o_out[ix_b * ost_out[0] + ix_i * ost_out[1] + ix_h * ost_out[2] + ix_d * ost_out[3]], " in body
         assert body.index("st_o[r] = st_o[r] * cr_o") < body.index("rf::gemm_tile_panels(r1 - r0, nt, cn")
+
+
+def test_mask_bounds_give_each_row_its_range_of_the_streamed_index():
+    """visible_bounds: conjuncts linear in j with an integer other side bound a row's range (a window's lower end,
+    a tensor's length); a conjunct on an element let is left out (it can only hide more)."""
+    sw = _block_loop_bodies(cpu_source(derive(load_spec(ROOT / "specs" / "sliding_window_attention.yaml")), "s.h"))[0]
+    assert ("vlo = std::max<int64_t>(vlo, static_cast<int64_t>((ix_i + sz_Sk + (int64_t(-1) * p_window) + "
+            "(int64_t(-1) * sz_Sq))) + 1);") in sw
+    assert "vhi = std::min<int64_t>(vhi, static_cast<int64_t>((ix_i + sz_Sk + (int64_t(-1) * sz_Sq))) + 1);" in sw
+    masked = _block_loop_bodies(_masked_spec_source())[0]  # mask: j <= i and j < lens[b] and jm >= 0
+    assert "vhi = std::min<int64_t>(vhi, static_cast<int64_t>(ix_i) + 1);" in masked
+    assert "vhi = std::min<int64_t>(vhi, static_cast<int64_t>(rf::ld(t_lens[(ix_b) * st_lens[0]])));" in masked
+    assert masked.count("vhi = std::min") == 2 and "vlo = std::max" not in masked
 
 
 def test_fp8_weight_decoded_once_per_tile():

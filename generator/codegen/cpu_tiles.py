@@ -336,6 +336,9 @@ def block_storage(k) -> None:
     for let in ir.row_lets:  # computed once per block: the packs bind a row per element (a GQA group's idiv)
         k.emit(f"{let_type(let)} rlt_{let.name}[{RBLK}];")
     k.emit(f"double rkey[{RBLK * max(1, len(plan.keys))}];  // the streamed operand's row-dependent indices")
+    if any(visible_bounds(k)):
+        k.emit(f"int64_t rvis_lo[{RBLK}], rvis_hi[{RBLK}];  // per row: the range of {ir.over} its mask's linear bounds "
+               "leave (visible_bounds)")
 
 
 def _state_size(f) -> str:
@@ -430,6 +433,15 @@ def emit_blocked(k, head: str) -> str:
     k.emit(f"rkey[rb * {nk}] = 0.0;")
     for q, key in enumerate(plan.keys):
         k.emit(f"rkey[rb * {nk} + {q}] = static_cast<double>({k.pr(key)});")
+    los, his = visible_bounds(k)
+    if los or his:
+        k.emit(f"int64_t vlo = 0, vhi = ex_{ir.over};")
+        for x in los:
+            k.emit(f"vlo = std::max<int64_t>(vlo, {x});")
+        for x in his:
+            k.emit(f"vhi = std::min<int64_t>(vhi, {x});")
+        k.emit("rvis_lo[rb] = vlo;")
+        k.emit("rvis_hi[rb] = vhi;")
     carry = ""
     for depth, n in enumerate(reversed(plan.order)):
         if depth == len(plan.order) - 1:
@@ -442,6 +454,17 @@ def emit_blocked(k, head: str) -> str:
     k.block("for (int64_t r0 = 0, r1 = 0; r0 < nrow; r0 = r1)")
     k.emit("r1 = r0 + 1;")
     k.emit(f"while (r1 < nrow && std::equal(rkey + r1 * {nk}, rkey + (r1 + 1) * {nk}, rkey + r0 * {nk})) ++r1;")
+    if los or his:
+        k.emit(f"// the chunks of {ir.over} some row of the run may see (the union of their ranges, aligned to chunks): "
+               "the others are hidden from every row and skipped whole")
+        k.emit(f"int64_t vis_lo = ex_{ir.over}, vis_hi = 0;")
+        k.emit("for (int64_t q = r0; q < r1; ++q) { vis_lo = std::min(vis_lo, rvis_lo[q]); "
+               "vis_hi = std::max(vis_hi, rvis_hi[q]); }")
+        k.emit(f"const int64_t c_begin = vis_lo < vis_hi ? vis_lo / {ch} * {ch} : 0;")
+        k.emit("const int64_t c_end = vis_lo < vis_hi ? vis_hi : 0;")
+        chunks = f"for (int64_t c0 = c_begin; c0 < c_end; c0 += {ch})"
+    else:
+        chunks = f"for (int64_t c0 = 0; c0 < ex_{ir.over}; c0 += {ch})"
     _per_row(k)
     for buf, fac, c, key in k.hoist_fill:
         saved = k.hoisted.pop(key)
@@ -463,7 +486,7 @@ def emit_blocked(k, head: str) -> str:
             for f in forms:
                 k.init_state(f)
             k.end()
-            k.block(f"for (int64_t c0 = 0; c0 < ex_{ir.over}; c0 += {ch})")
+            k.block(chunks)
             k.emit(f"const int64_t cn = std::min<int64_t>({ch}, ex_{ir.over} - c0);")
             _per_row(k, before)
             k.block("for (int64_t jj = 0; jj < cn; ++jj)")
@@ -512,6 +535,46 @@ def emit_blocked(k, head: str) -> str:
     return (f"// specialisation {ir.label} (blocks of rows sharing the streamed operand, GEMM tiles)\n{head}"
             f"{TARGET_CLONES}static void blocks_case{k.index}(const Args& A, int64_t blk_begin, int64_t blk_end, "
             f"int64_t rb_n{', int64_t ncol' if k.cols else ''}) {{\n{body}\n}}\n")
+
+
+def visible_bounds(k) -> tuple[list[str], list[str]]:
+    """([lower bounds], [upper bounds]) on the streamed index that the mask puts on the elements a row sees, as C++
+    int64 expressions over the row's bindings (lower inclusive, upper exclusive), from the mask's conjuncts that are
+    linear in it with coefficient +-1 against an integer expression of row indices, row lets, sizes, scalars and
+    tensor reads at row indices (causal attention's j <= i + Sk - Sq, a length's j < lens[b], a window's lower end).
+    Other conjuncts are left out, which only widens the range: every element a row sees lies inside it, so a chunk
+    outside every row's range of a run is hidden from all of them. None for a kernel with a term cache (its per-chunk
+    states are kept for every chunk)."""
+    ir = k.ir
+    mask = ir.mask
+    if mask in (sp.true, True) or not isinstance(mask, sp.Basic) or k.tcache is not None:
+        return [], []
+    j = ir.indices[ir.over]
+    banned = {s for n, s in ir.indices.items() if n not in ir.rows} | {let.symbol for let in ir.element_lets}
+    flip = {sp.LessThan: sp.GreaterThan, sp.GreaterThan: sp.LessThan,
+            sp.StrictLessThan: sp.StrictGreaterThan, sp.StrictGreaterThan: sp.StrictLessThan}
+    los: list[str] = []
+    his: list[str] = []
+    for c in mask.args if isinstance(mask, sp.And) else (mask,):
+        if type(c) not in flip:
+            continue
+        e = sp.expand(c.lhs - c.rhs)
+        a = e.coeff(j)
+        rest = sp.expand(e - a * j)
+        if a not in (1, -1) or rest.free_symbols & (banned | {j}) or not k.pr.is_int(rest):
+            continue
+        # a * j + rest REL 0: j REL -rest (a = 1), or j FLIP(REL) rest (a = -1)
+        rel, x = (type(c), -rest) if a == 1 else (flip[type(c)], rest)
+        bound = f"static_cast<int64_t>({k.pr(x)})"
+        if rel is sp.LessThan:
+            his.append(f"{bound} + 1")
+        elif rel is sp.StrictLessThan:
+            his.append(bound)
+        elif rel is sp.GreaterThan:
+            los.append(bound)
+        else:
+            los.append(f"{bound} + 1")
+    return los, his
 
 
 def _row_let_indices(k) -> dict[str, set[str]]:

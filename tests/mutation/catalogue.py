@@ -433,6 +433,18 @@ MUTANTS: list[Mutant] = [
       "counting the rows of a block up, an index that wraps restarts at 1: the block's rows after a head's last "
       "query row skip the next head's first one and run one past the end",
       ATTN, ),
+    M("tiles-run-range-is-rows-intersection", "generator/codegen/cpu_tiles.py",
+      '               "vis_hi = std::max(vis_hi, rvis_hi[q]); }")\n',
+      '               "vis_hi = std::min(vis_hi, rvis_hi[q]); }")\n',
+      "a run walks the chunks up to the smallest of its rows' upper ends, not the largest: under a causal mask the "
+      "later query rows of a run lose the keys past the first row's diagonal",
+      ATTN, ),
+    M("tiles-mask-lower-bound-taken-as-upper", "generator/codegen/cpu_tiles.py",
+      "        else:\n            los.append(f\"{bound} + 1\")\n",
+      "        else:\n            his.append(f\"{bound} + 1\")\n",
+      "a mask conjunct j > x bounds a row's range from above instead of below: a sliding window's rows walk only "
+      "the chunk of the window's first key",
+      ("tests/test_sliding_window_attention.py", *NOSLOW), ),
     M("cpu-counted-by-value-inverted", "generator/codegen/cpu.py",
       '        return " && ".join(f"!({self.pr(atom)} == {float_literal(float(value))})"\n',
       '        return " && ".join(f"({self.pr(atom)} == {float_literal(float(value))})"\n',
