@@ -163,6 +163,9 @@ def test_attention_contraction_and_weighted_sum_are_gemm_tiles():
     assert f"const int64_t c_begin = vis_lo < vis_hi ? vis_lo / {SCHUNK} * {SCHUNK} : 0;" in bodies[1]
     assert f"for (int64_t c0 = c_begin; c0 < c_end; c0 += {SCHUNK})" in bodies[1]
     assert f"for (int64_t c0 = 0; c0 < ex_j; c0 += {SCHUNK})" not in bodies[1]
+    # the mask is that one bound alone, so a chunk inside a row's range takes no mask pass: all flags set at once
+    assert ("if (c0 >= rvis_lo[rb] && c0 + cn <= rvis_hi[rb]) {\n            std::memset(el_ok, 1, "
+            "static_cast<size_t>(cn));") in bodies[1]
     for body, C in zip(bodies, (SCHUNK_OPEN, SCHUNK)):
         # rows are walked with the K/V indices (b, and h through the GQA head g) outermost; runs share the key
         assert "walked in the order (b, h, i)" in body
@@ -222,6 +225,8 @@ def test_mask_bounds_give_each_row_its_range_of_the_streamed_index():
     assert "vhi = std::min<int64_t>(vhi, static_cast<int64_t>(ix_i) + 1);" in masked
     assert "vhi = std::min<int64_t>(vhi, static_cast<int64_t>(rf::ld(t_lens[(ix_b) * st_lens[0]])));" in masked
     assert masked.count("vhi = std::min") == 2 and "vlo = std::max" not in masked
+    # ... and since jm >= 0 is not one of them, every chunk takes its mask pass (no shortcut for whole chunks)
+    assert "std::memset(el_ok, 1" not in masked and "std::memset(el_ok, 1" in sw
 
 
 def test_fp8_weight_decoded_once_per_tile():

@@ -489,6 +489,14 @@ def emit_blocked(k, head: str) -> str:
             k.block(chunks)
             k.emit(f"const int64_t cn = std::min<int64_t>({ch}, ex_{ir.over} - c0);")
             _per_row(k, before)
+            if _whole_chunks_skip_mask(k):
+                k.emit("// a chunk inside the row's range is all visible (every conjunct of the mask is one of its "
+                       "bounds, and the loop below computes nothing else): its flags set at once")
+                k.block("if (c0 >= rvis_lo[rb] && c0 + cn <= rvis_hi[rb])")
+                k.emit("std::memset(el_ok, 1, static_cast<size_t>(cn));")
+                k.emit("row_sees[rb] = cn > 0;")
+                k.emit("continue;")
+                k.end()
             k.block("for (int64_t jj = 0; jj < cn; ++jj)")
             k.mask_and_early_lets(plan.late)
             k.end()
@@ -535,6 +543,18 @@ def emit_blocked(k, head: str) -> str:
     return (f"// specialisation {ir.label} (blocks of rows sharing the streamed operand, GEMM tiles)\n{head}"
             f"{TARGET_CLONES}static void blocks_case{k.index}(const Args& A, int64_t blk_begin, int64_t blk_end, "
             f"int64_t rb_n{', int64_t ncol' if k.cols else ''}) {{\n{body}\n}}\n")
+
+
+def _whole_chunks_skip_mask(k) -> bool:
+    """Whether a chunk inside a row's range needs no pass of its mask: every conjunct of the mask is a bound of
+    visible_bounds (so the range is exactly where the mask holds), and the mask pass computes nothing else (no let
+    the mask reads; every other element let comes after the contraction and is filled only where masked)."""
+    ir = k.ir
+    los, his = visible_bounds(k)
+    parts = ir.mask.args if isinstance(ir.mask, sp.And) else (ir.mask,)
+    if not (los or his) or len(los) + len(his) != len(parts) or k.mask_lets():
+        return False
+    return all(let.name in k.plan.late for let in ir.element_lets)
 
 
 def visible_bounds(k) -> tuple[list[str], list[str]]:

@@ -445,6 +445,12 @@ MUTANTS: list[Mutant] = [
       "a mask conjunct j > x bounds a row's range from above instead of below: a sliding window's rows walk only "
       "the chunk of the window's first key",
       ("tests/test_sliding_window_attention.py", *NOSLOW), ),
+    M("tiles-whole-chunk-ignores-range-end", "generator/codegen/cpu_tiles.py",
+      '                k.block("if (c0 >= rvis_lo[rb] && c0 + cn <= rvis_hi[rb])")\n',
+      '                k.block("if (c0 >= rvis_lo[rb])")\n',
+      "a chunk counts as all visible once it starts inside the row's range: under a causal mask the chunk on the "
+      "diagonal shows every row the keys past it",
+      ATTN, ),
     M("cpu-counted-by-value-inverted", "generator/codegen/cpu.py",
       '        return " && ".join(f"!({self.pr(atom)} == {float_literal(float(value))})"\n',
       '        return " && ".join(f"({self.pr(atom)} == {float_literal(float(value))})"\n',
