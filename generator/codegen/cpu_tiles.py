@@ -563,14 +563,22 @@ def visible_bounds(k) -> tuple[list[str], list[str]]:
     linear in it with coefficient +-1 against an integer expression of row indices, row lets, sizes, scalars and
     tensor reads at row indices (causal attention's j <= i + Sk - Sq, a length's j < lens[b], a window's lower end).
     Other conjuncts are left out, which only widens the range: every element a row sees lies inside it, so a chunk
-    outside every row's range of a run is hidden from all of them. None for a kernel with a term cache (its per-chunk
-    states are kept for every chunk)."""
+    outside every row's range of a run is hidden from all of them. No bounds for a kernel with a term cache (its
+    per-chunk states are kept for every chunk)."""
     ir = k.ir
     mask = ir.mask
     if mask in (sp.true, True) or not isinstance(mask, sp.Basic) or k.tcache is not None:
         return [], []
     j = ir.indices[ir.over]
-    banned = {s for n, s in ir.indices.items() if n not in ir.rows} | {let.symbol for let in ir.element_lets}
+    row = ({ir.indices[n] for n in ir.rows} | {let.symbol for let in ir.row_lets} | set(ir.axes.values())
+           | set(ir.scalars.values()))
+
+    def of_row(x: sp.Basic) -> bool:  # known once the row's indices are: no element's index, let or state
+        reads = [r for r in x.atoms(sp.Indexed) if str(r.base.label) in ir.tensors]
+        labels = {r.base.label for r in reads}
+        return (all(set().union(*[i.free_symbols for i in r.indices]) <= row for r in reads)
+                and all(s in row or s in labels or s in reads for s in x.free_symbols))
+
     flip = {sp.LessThan: sp.GreaterThan, sp.GreaterThan: sp.LessThan,
             sp.StrictLessThan: sp.StrictGreaterThan, sp.StrictGreaterThan: sp.StrictLessThan}
     los: list[str] = []
@@ -581,7 +589,7 @@ def visible_bounds(k) -> tuple[list[str], list[str]]:
         e = sp.expand(c.lhs - c.rhs)
         a = e.coeff(j)
         rest = sp.expand(e - a * j)
-        if a not in (1, -1) or rest.free_symbols & (banned | {j}) or not k.pr.is_int(rest):
+        if a not in (1, -1) or not of_row(rest) or not k.pr.is_int(rest):
             continue
         # a * j + rest REL 0: j REL -rest (a = 1), or j FLIP(REL) rest (a = -1)
         rel, x = (type(c), -rest) if a == 1 else (flip[type(c)], rest)
