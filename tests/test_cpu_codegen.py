@@ -152,6 +152,8 @@ def test_attention_contraction_and_weighted_sum_are_gemm_tiles():
     # the chunk of block kernels with a GEMM sum: longer where no mask hides elements (causal=false), so that the
     # per-chunk row passes are amortised; the causal specialisation keeps the shorter one (less masked work)
     assert "const bool ok = true;" in bodies[0] and "const bool ok = true;" not in bodies[1]
+    # ... and the pass after the contraction reads no flag there (its stores are not conditional)
+    assert "const bool ok = el_ok[jj];" not in bodies[0] and "const bool ok = el_ok[jj];" in bodies[1]
     # a masked element's score holds the mask value (-inf); without a mask every score is computed: no fill
     assert "el_s[jj] = (-rf::kInf);" not in bodies[0] and "el_s[jj] = (-rf::kInf);" in bodies[1]
     # without a mask every chunk; with the causal mask each row's range of j (j <= i + Sk - Sq) is worked out with

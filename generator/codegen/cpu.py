@@ -891,7 +891,8 @@ class _Kernel:
         ir = self.ir
         self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
         self.emit(f"(void)ix_{ir.over};")
-        self.emit("const bool ok = el_ok[jj];")
+        # without a mask every element is ok: no flag to read (and the lets' stores are not conditional)
+        self.emit("const bool ok = true;" if ir.mask in (sp.true, True) else "const bool ok = el_ok[jj];")
         self.block("if (ok)")
         saved = dict(self.local)
         self.local.update({s: f"{buf}[jj]" for s, buf in bufs.items()})

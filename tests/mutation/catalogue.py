@@ -451,6 +451,12 @@ MUTANTS: list[Mutant] = [
       "a chunk counts as all visible once it starts inside the row's range: under a causal mask the chunk on the "
       "diagonal shows every row the keys past it",
       ATTN, ),
+    M("cpu-late-lets-ok-without-mask-inverted", "generator/codegen/cpu.py",
+      '        self.emit("const bool ok = true;" if ir.mask in (sp.true, True) else "const bool ok = el_ok[jj];")\n',
+      '        self.emit("const bool ok = true;" if ir.mask not in (sp.true, True) else "const bool ok = el_ok[jj];")\n',
+      "the scores after the contraction take every element as visible where there is a mask (and read the flags "
+      "where there is none): causal attention's masked scores are computed and counted",
+      ATTN, ),
     M("cpu-counted-by-value-inverted", "generator/codegen/cpu.py",
       '        return " && ".join(f"!({self.pr(atom)} == {float_literal(float(value))})"\n',
       '        return " && ".join(f"({self.pr(atom)} == {float_literal(float(value))})"\n',
