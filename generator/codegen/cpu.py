@@ -929,12 +929,13 @@ class _Kernel:
                 self.emit_let(let)
             self.end()
 
+    def off_mask_values(self) -> list[str]:
+        """Per let with a mask value: the test that element jj's value is not at it."""
+        return [f"!({self.pr(atom)} == {float_literal(float(value))})" for atom, value in self.a.mask_value.items()]
+
     def counted(self) -> str:
         """Whether element jj (where ok) is counted by the non-selection reductions: not at a mask value."""
-        counted = "ok"
-        for atom, value in self.a.mask_value.items():
-            counted += f" && !({self.pr(atom)} == {float_literal(float(value))})"
-        return counted
+        return " && ".join(["ok", *self.off_mask_values()])
 
     def counted_by_value(self) -> str | None:
         """`counted` without the flags of the mask, where the element's values tell: without a mask every element
@@ -944,8 +945,7 @@ class _Kernel:
         filled = {let.symbol for let in self.ir.element_lets if let.name not in self.mask_lets()}
         if self.ir.mask not in (sp.true, True) and not (self.a.mask_value and set(self.a.mask_value) <= filled):
             return None
-        return " && ".join(f"!({self.pr(atom)} == {float_literal(float(value))})"
-                           for atom, value in self.a.mask_value.items()) or "true"
+        return " && ".join(self.off_mask_values()) or "true"
 
     def contraction_lets(self, lets: list) -> set[str] | None:
         """The lets holding a contraction or reading one (through other lets), when every contraction's summand

@@ -418,7 +418,6 @@ def emit_blocked(k, head: str) -> str:
         k.emit(f"cx_{n} = rem % ex_{n};")
         k.emit(f"rem /= ex_{n};")
     k.end()
-    reads = _row_let_indices(k)
     for let in ir.row_lets:
         k.emit(f"{let_type(let)} pl_{let.name} = 0;")
     k.block("for (int64_t rb = 0; rb < nrow; ++rb)")
@@ -426,7 +425,7 @@ def emit_blocked(k, head: str) -> str:
         k.emit(f"const int64_t ix_{n} = cx_{n};")
         k.emit(f"rix_{n}[rb] = ix_{n};")
     for let in ir.row_lets:
-        moved = "".join(f" || ix_{n} != rix_{n}[rb - 1]" for n in plan.order if n in reads[let.name])
+        moved = "".join(f" || ix_{n} != rix_{n}[rb - 1]" for n in plan.order if n in let.indices)
         k.emit(f"if (rb == 0{moved}) pl_{let.name} = {k.pr.val(let.expr, let.symbol)};")
         k.emit(f"const {let_type(let)} lt_{let.name} = pl_{let.name};")
         k.emit(f"rlt_{let.name}[rb] = lt_{let.name};")
@@ -463,7 +462,9 @@ def emit_blocked(k, head: str) -> str:
         k.emit(f"const int64_t c_begin = vis_lo < vis_hi ? vis_lo / {ch} * {ch} : 0;")
         k.emit("const int64_t c_end = vis_lo < vis_hi ? vis_hi : 0;")
         chunks = f"for (int64_t c0 = c_begin; c0 < c_end; c0 += {ch})"
+        whole = _whole_chunks_skip_mask(k, los, his)
     else:
+        whole = False
         chunks = f"for (int64_t c0 = 0; c0 < ex_{ir.over}; c0 += {ch})"
     _per_row(k)
     for buf, fac, c, key in k.hoist_fill:
@@ -489,7 +490,7 @@ def emit_blocked(k, head: str) -> str:
             k.block(chunks)
             k.emit(f"const int64_t cn = std::min<int64_t>({ch}, ex_{ir.over} - c0);")
             _per_row(k, before)
-            if _whole_chunks_skip_mask(k):
+            if whole:
                 k.emit("// a chunk inside the row's range is all visible (every conjunct of the mask is one of its "
                        "bounds, and the loop below computes nothing else): its flags set at once")
                 k.block("if (c0 >= rvis_lo[rb] && c0 + cn <= rvis_hi[rb])")
@@ -545,12 +546,11 @@ def emit_blocked(k, head: str) -> str:
             f"int64_t rb_n{', int64_t ncol' if k.cols else ''}) {{\n{body}\n}}\n")
 
 
-def _whole_chunks_skip_mask(k) -> bool:
+def _whole_chunks_skip_mask(k, los: list[str], his: list[str]) -> bool:
     """Whether a chunk inside a row's range needs no pass of its mask: every conjunct of the mask is a bound of
     visible_bounds (so the range is exactly where the mask holds), and the mask pass computes nothing else (no let
     the mask reads; every other element let comes after the contraction and is filled only where masked)."""
     ir = k.ir
-    los, his = visible_bounds(k)
     parts = ir.mask.args if isinstance(ir.mask, sp.And) else (ir.mask,)
     if not (los or his) or len(los) + len(his) != len(parts) or k.mask_lets():
         return False
@@ -603,27 +603,6 @@ def visible_bounds(k) -> tuple[list[str], list[str]]:
         else:
             los.append(f"{bound} + 1")
     return los, his
-
-
-def _row_let_indices(k) -> dict[str, set[str]]:
-    """{row let: the row indices it reads, directly or through other row lets}."""
-    ir = k.ir
-    by_symbol = {let.symbol: let for let in ir.row_lets}
-    names = {ir.indices[n]: n for n in ir.rows}
-    out: dict[str, set[str]] = {}
-    for let in ir.row_lets:
-        seen, todo, got = set(), list(let.expr.free_symbols), set()
-        while todo:
-            x = todo.pop()
-            if x in seen:
-                continue
-            seen.add(x)
-            if x in names:
-                got.add(names[x])
-            elif x in by_symbol:
-                todo += list(by_symbol[x].expr.free_symbols)
-        out[let.name] = got
-    return out
 
 
 def _any_live(k, flags: str) -> None:

@@ -422,7 +422,7 @@ MUTANTS: list[Mutant] = [
       "diagonal) are packed as the zero row for every row of the run",
       ("tests/test_fused_attention.py", *NOSLOW), ),
     M("tiles-row-let-kept-across-heads", "generator/codegen/cpu_tiles.py",
-      '        moved = "".join(f" || ix_{n} != rix_{n}[rb - 1]" for n in plan.order if n in reads[let.name])\n',
+      '        moved = "".join(f" || ix_{n} != rix_{n}[rb - 1]" for n in plan.order if n in let.indices)\n',
       '        moved = ""\n',
       "a block's row lets are computed for its first row only: where a block spans several heads, the later ones "
       "read the first head's GQA group of K and V",
@@ -458,8 +458,8 @@ MUTANTS: list[Mutant] = [
       "where there is none): causal attention's masked scores are computed and counted",
       ATTN, ),
     M("cpu-counted-by-value-inverted", "generator/codegen/cpu.py",
-      '        return " && ".join(f"!({self.pr(atom)} == {float_literal(float(value))})"\n',
-      '        return " && ".join(f"({self.pr(atom)} == {float_literal(float(value))})"\n',
+      '        return " && ".join(self.off_mask_values()) or "true"\n',
+      '        return " && ".join(c[1:] for c in self.off_mask_values()) or "true"\n',
       "the fold's weights count the elements at their mask value instead of the others: every weight of a row "
       "is 0 (or exp(-inf - m))",
       ATTN, ),
