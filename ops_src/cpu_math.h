@@ -468,6 +468,124 @@ inline void gemm_tile_panels(int64_t M, int64_t N, int64_t K, const float* A, in
     gemm_tile(M, N - n0 < 32 ? N - n0 : 32, K, A, lda, B + n0 / 32 * pstride, 32, C + n0, ldc, accumulate);
 }
 
+// ------------------------------------------------------------------------------------------ exp of a chunk
+// w[j] = exp(w[j]) for j < n, in place, returning the sum of the results in the order of the generated kernels' lane
+// folds (cpu._Kernel.element_loop): lane u adds the elements u, u + 16, ... of the whole 16-element steps, the tail
+// (n % 16 elements) is added one by one from 0, and the result is tail + lanes_total<16>(lanes). For a GEMM fold
+// whose weights are exp(x): they and their sum (softmax's denominator) in one pass over the chunk.
+// On AVX-512 a step applies 2^n to p with vscalefps, which saturates by itself: +inf past the top (x clamped to 89
+// first, NaN kept: the clamp returns x when it is NaN), and the integer n, the exponent add and the select for the
+// top of rf::exp go (27 -> 19 instructions a step in fused_attention's weights loop, GCC 11). Below ln(FLT_MIN) the
+// result is 0 as in rf::exp, by a zeroing mask, and those lanes are computed at x = -87 meanwhile: a subnormal or
+// underflowing result of vscalefps costs a microcode assist each (an exp(-inf) per masked element made causal
+// attention 1.7x slower). The values are rf::exp's up to the last bits (the same reduction and polynomial; the two
+// parts of ln2 as two FMAs where -ffast-math folds them into one in rf::exp's vectorised loops). Other levels (and
+// the tail) run rf::exp itself.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target("arch=x86-64-v4"))) inline float exp_sum_v4(float* w, int64_t n) {
+  const __m512 lo = _mm512_set1_ps(-87.33654475f), safe = _mm512_set1_ps(-87.0f), hi = _mm512_set1_ps(89.0f);
+  __m512 acc = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = _mm512_loadu_ps(w + j);
+    const __mmask16 under = _mm512_cmp_ps_mask(v, lo, _CMP_LT_OQ);  // NaN: not under
+    const __m512 x = _mm512_min_ps(hi, _mm512_mask_blend_ps(under, v, safe));  // NaN: x (the second operand)
+    const __m512 t = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(t, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(t, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.3814613e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3687100e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1668389e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666521e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.9999994e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512 y = _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), _mm512_scalef_ps(p, t));
+    _mm512_storeu_ps(w + j, y);
+    acc = _mm512_add_ps(acc, y);
+  }
+  float tail = 0.0f;
+  for (; j < n; ++j) {
+    w[j] = exp(w[j]);
+    tail = tail + w[j];
+  }
+  vf16 l;
+  std::memcpy(&l, &acc, sizeof(l));
+  return tail + lane_sum(l);
+}
+#endif
+// The NaN-propagating maximum of w[0 .. n) (-inf where n is 0; NaN where an element is NaN; the sign of a zero
+// maximum is either), for a max fold over a chunk whose values are in a buffer: on AVX-512 one vmaxps and one
+// unordered compare a 16-element step (the generated keyed lane loop: 8-10 instructions).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target("arch=x86-64-v4"))) inline float max_of_v4(const float* w, int64_t n) {
+  __m512 m = _mm512_set1_ps(-kInf);
+  __mmask16 nan = 0;
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 x = _mm512_loadu_ps(w + j);
+    m = _mm512_max_ps(m, x);
+    nan = _kor_mask16(nan, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q));
+  }
+  float r = _mm512_reduce_max_ps(m);
+  for (; j < n; ++j) r = max(r, w[j]);
+  return nan ? std::numeric_limits<float>::quiet_NaN() : r;
+}
+#endif
+inline float max_of_lanes(const float* w, int64_t n) {
+  int32_t l[16];
+  for (int u = 0; u < 16; ++u) l[u] = fkey_hi(-kInf);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+#pragma GCC unroll 1
+    for (int u = 0; u < 16; ++u) l[u] = kmax(l[u], fkey_hi(w[j + u]));
+  }
+  float r = -kInf;
+  for (; j < n; ++j) r = max(r, w[j]);
+  for (int u = 1; u < 16; ++u) l[0] = kmax(l[0], l[u]);
+  return max(r, unkey(l[0]));
+}
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target("arch=x86-64-v3"))) inline float max_of_v3(const float* w, int64_t n) { return max_of_lanes(w, n); }
+inline float max_of(const float* w, int64_t n) {
+  static const int level = x86_level();
+  return level == 4 ? max_of_v4(w, n) : (level == 3 ? max_of_v3(w, n) : max_of_lanes(w, n));
+}
+#else
+inline float max_of(const float* w, int64_t n) { return max_of_lanes(w, n); }
+#endif
+template <int L>
+__attribute__((always_inline)) inline float exp_sum_lanes(float* w, int64_t n) {
+  float l[L];
+  for (int u = 0; u < L; ++u) l[u] = 0.0f;
+  int64_t j = 0;
+  for (; j + L <= n; j += L) {
+#pragma GCC unroll 1
+    for (int u = 0; u < L; ++u) {
+      const float e = exp(w[j + u]);
+      w[j + u] = e;
+      l[u] = l[u] + e;
+    }
+  }
+  float tail = 0.0f;
+  for (; j < n; ++j) {
+    w[j] = exp(w[j]);
+    tail = tail + w[j];
+  }
+  return tail + lanes_total<L>(l);
+}
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target("arch=x86-64-v3"))) inline float exp_sum_v3(float* w, int64_t n) { return exp_sum_lanes<16>(w, n); }
+inline float exp_sum_base(float* w, int64_t n) { return exp_sum_lanes<16>(w, n); }
+inline float exp_sum(float* w, int64_t n) {
+  static const int level = x86_level();
+  return level == 4 ? exp_sum_v4(w, n) : (level == 3 ? exp_sum_v3(w, n) : exp_sum_base(w, n));
+}
+#else
+inline float exp_sum(float* w, int64_t n) { return exp_sum_lanes<16>(w, n); }
+#endif
+
 // ------------------------------------------------------------------------------------- e4m3 weight rows x a vector
 // out[n] = sum_k decode(W[n * ldw + k]) * x[k] for n < N, k < K (a GEMV over float8 e4m3fn weights, the one-row case
 // of a quantised GEMM: decoding into a tile and reading it back costs more than the products there). Returns

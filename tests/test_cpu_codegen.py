@@ -202,8 +202,14 @@ def test_attention_contraction_and_weighted_sum_are_gemm_tiles():
         # o[d] += p_j v[j, d]: the weights per row (0 where not counted: where the score is at its mask value, which
         # a masked score holds, so no flag bytes are read in the float loop), then V packed once (panels of 32 d,
         # [element][32] each) and one GEMM tile; a tile with an inf/NaN reads the same layout element by element
-        assert re.search(r"wts\d+\[jj\] = !\(el_s\[jj\] == \(-rf::kInf\)\) \? v : 0.0f;", body)
+        # the weights are exp(s - m): their exponents (-inf where not counted), then rf::exp_sum in place, whose
+        # sum is the denominator's chunk (no second pass over the weights); the max over the scores' buffer is
+        # rf::max_of (no keyed lane loop)
+        assert re.search(r"wts\d+\[jj\] = !\(el_s\[jj\] == \(-rf::kInf\)\) \? x : -rf::kInf;", body)
         assert not re.search(r"wts\d+\[jj\] = el_cnt", body)
+        w = re.search(r"const float (wsum\d+) = rf::exp_sum\(wts\d+, cn\);", body)
+        assert w and re.search(rf"acc\d+ = acc\d+ \+ {w.group(1)};", body) and "rf::lanes_total" not in body
+        assert re.search(r"acc\d+ = rf::max\(acc\d+, rf::max_of\(el_s, cn\)\);", body) and "rf::kmax" not in body
         assert f"float* dp = dst + x0 * {C};" in body and "dp[ix_d - n0 - x0] = v;" in body
         assert re.search(rf"rf::gemm_tile_panels\(r1 - r0, nt, cn, bwts\d+ \+ r0 \* {C}, {C}, pt, {C} \* 32, bst_o", body)
         assert f"acc[x] = acc[x] + w * pt[x / 32 * {C * 32} + jj * 32 + x % 32];" in body

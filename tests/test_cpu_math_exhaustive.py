@@ -79,3 +79,13 @@ def test_exp_at_every_x86_level(tmp_path):
     out = _build_and_run(tmp_path, "cpu_exp_levels.cpp", ["-w"], 300)
     assert "exp_base mismatches: 0" in out, out
     assert not re.search(r"mismatches: [1-9]", out), out
+
+
+def test_chunk_helpers_at_every_x86_level(tmp_path):
+    """tests/cpu_chunk_helpers.cpp: rf::exp_sum (a GEMM fold's exp weights in place and their sum) against float64
+    exp on one float in 31 of its range and the special values at every lane position, its sum on lengths around
+    the 16-lane steps, and rf::max_of (a max fold over an element let's buffer) against a scalar NaN-propagating
+    fold on rows with NaN (either sign), infinities and all -inf, at each x86-64 level the CPU runs."""
+    out = _build_and_run(tmp_path, "cpu_chunk_helpers.cpp", ["-w"], 300)
+    assert "exp_sum_base mismatches: 0" in out and "max_of_base mismatches: 0" in out, out
+    assert not re.search(r"mismatches: [1-9]", out), out

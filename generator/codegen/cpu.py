@@ -219,6 +219,7 @@ class _Kernel:
         self.sels = _sel_fields(a)
         self.hoisted: dict[sp.Basic, str] = {}  # row-invariant contraction factors -> row buffers
         self.local: dict[sp.Basic, str] = {}  # temporaries (cse, contractions)
+        self.wsums: dict[str, str] = {}  # a fold weights' buffer -> the variable holding their sum (rf::exp_sum)
         self.pr = CppPrinter(self.resolve, selects=True)
         self.floats = set(float_inputs(spec))  # unit last-dimension stride (the glue sees to it)
         self.native = native  # read in their own dtype (see native_inputs)
@@ -1128,7 +1129,6 @@ class _Kernel:
     def element_loop(self, forms: list[ReductionForm], branch: bool, reuse: dict[str, str] | None = None) -> None:
         """One chunk's elements folded into the states of `forms`; a sum named in `reuse` adds up that buffer of
         the chunk's weights (shared_weights) instead of its term."""
-        ir = self.ir
         reuse = reuse or {}
         if not branch:  # vectorisable reductions into LANES partial results (a sum and a NaN-propagating max alike)
             self.block("")
@@ -1136,56 +1136,28 @@ class _Kernel:
             # a max/min folds its lanes as int32 keys ordered as the floats (NaN past every number): an integer
             # max vectorises, a NaN-propagating float select does not
             keyed = {"max": "hi", "min": "lo"}
+            # folds done by a helper over a whole buffer of the chunk instead (direct_folds)
+            direct = self.direct_folds(forms, reuse)
             for f in forms:
                 acc = self.fresh("acc")
                 accs[f.name] = acc
                 neutral = float_literal(float(f.neutral))
                 self.emit(f"float {acc} = {neutral};")
+                if f.name in direct:
+                    continue
                 if f.op in keyed:
                     self.emit(f"int32_t {acc}_l[{LANES}];")
                     self.emit(f"for (int u = 0; u < {LANES}; ++u) {acc}_l[u] = rf::fkey_{keyed[f.op]}({neutral});")
                 else:
                     self.emit(f"float {acc}_l[{LANES}];")
                     self.emit(f"for (int u = 0; u < {LANES}; ++u) {acc}_l[u] = {neutral};")
-            # the chunk's constants (a state's function, 1 / sqrt(ss / N + eps)) once per chunk, not per element
-            before = dict(self.local)
-            hoisted = [self.hoist(f.term) if f.name not in reuse else sp.Symbol(self.fresh("wref"), real=True)
-                       for f in forms]
-            for f, h in zip(forms, hoisted):
-                if f.name in reuse:
-                    self.local[h] = f"{reuse[f.name]}[jj]"
-            kept = {k: v for k, v in self.local.items() if k not in before}
-            self.emit("int64_t jl = 0;")
-            self.block(f"for (; jl + {LANES} <= cn; jl += {LANES})")
-            # the lane loop must stay a loop until the vectoriser sees it (one vector op per element op): fully
-            # unrolled early, gcc vectorised the jl loop instead, across lanes, with a transpose per step
-            self.emit("#pragma GCC unroll 1")
-            self.block(f"for (int u = 0; u < {LANES}; ++u)")
-            self.emit("const int64_t jj = jl + u;")
-            self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
-            self.emit(f"(void)ix_{ir.over};")
-            terms = self.cse(hoisted)
-            terms = [self.kept_term(f, t) for f, t in zip(forms, terms)]
-            for f, t in zip(forms, terms):
-                lane = accs[f.name] + "_l[u]"
-                if f.op in keyed:
-                    self.emit(f"{lane} = rf::k{f.op}({lane}, rf::fkey_{keyed[f.op]}({self.pr.flt(t)}));")
-                else:
-                    self.emit(f"{lane} = {self.fold(f.op, lane, self.pr.flt(t))};")
-            self.end()
-            self.end()
-            self.local = dict(kept)
-            self.block("for (int64_t jj = jl; jj < cn; ++jj)")
-            self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
-            self.emit(f"(void)ix_{ir.over};")
-            terms = self.cse(hoisted)
-            terms = [self.kept_term(f, t) for f, t in zip(forms, terms)]
-            for f, t in zip(forms, terms):
-                self.emit(f"{accs[f.name]} = {self.fold(f.op, accs[f.name], self.pr.flt(t))};")
-            self.end()
+            lane = [f for f in forms if f.name not in direct]
+            self.lane_loops(lane, accs, reuse, keyed)
             for f in forms:
                 acc = accs[f.name]
-                if f.op in keyed:  # the lanes' keys folded as integers (vectorises), one key turned back
+                if f.name in direct:
+                    self.emit(f"{acc} = {self.fold(f.op, acc, direct[f.name])};")
+                elif f.op in keyed:  # the lanes' keys folded as integers (vectorises), one key turned back
                     self.emit(f"for (int u = 1; u < {LANES}; ++u) {acc}_l[0] = rf::k{f.op}({acc}_l[0], {acc}_l[u]);")
                     self.emit(f"{acc} = {self.fold(f.op, acc, f'rf::unkey({acc}_l[0])')};")
                 elif f.op == "sum":  # pairwise, in vectors (a chain of scalar adds was 3 % of attention)
@@ -1196,6 +1168,77 @@ class _Kernel:
             self.end()
             self.local = {}
             return
+        self.branch_loop(forms)
+
+    def direct_folds(self, forms: list[ReductionForm], reuse: dict[str, str]) -> dict[str, str]:
+        """{form: C++ value} of the branch-free folds of one chunk that a helper of cpu_math.h computes over a whole
+        buffer in place of the lane loop, in the lane loop's order where it matters (a sum): a sum of a GEMM fold's
+        weights that emit_fold_weights already added up with rf::exp_sum, and a max of an element let's values
+        (its buffer el_<name>, written for every element of the chunk, masked ones holding the mask value, as the
+        lane loop reads it): rf::max_of (one vmaxps a step on AVX-512 where the keyed lanes took 8-10 instructions)."""
+        out = {}
+        for f in forms:
+            if f.name in reuse:
+                if f.op == "sum" and reuse[f.name] in self.wsums:
+                    out[f.name] = self.wsums[reuse[f.name]]
+            elif f.op == "max" and (buf := self.let_buffer(f.term)) is not None:
+                out[f.name] = f"rf::max_of({buf}, cn)"
+        return out
+
+    def let_buffer(self, e: sp.Basic) -> str | None:
+        """The chunk buffer of an element let's values (el_<name>) where e is that let's symbol, else None."""
+        if not isinstance(e, sp.Symbol) or e in self.local:
+            return None
+        if any(let.symbol == e and let.kind != "row" for let in self.ir.lets):
+            return f"el_{e.name}"
+        return None
+
+    def lane_loops(self, forms: list[ReductionForm], accs: dict[str, str], reuse: dict[str, str],
+                   keyed: dict[str, str]) -> None:
+        """The lane loop of element_loop's branch-free folds `forms` (and the chunk's tail one element at a time)."""
+        if not forms:
+            return
+        ir = self.ir
+        # the chunk's constants (a state's function, 1 / sqrt(ss / N + eps)) once per chunk, not per element
+        before = dict(self.local)
+        hoisted = [self.hoist(f.term) if f.name not in reuse else sp.Symbol(self.fresh("wref"), real=True)
+                   for f in forms]
+        for f, h in zip(forms, hoisted):
+            if f.name in reuse:
+                self.local[h] = f"{reuse[f.name]}[jj]"
+        kept = {k: v for k, v in self.local.items() if k not in before}
+        self.emit("int64_t jl = 0;")
+        self.block(f"for (; jl + {LANES} <= cn; jl += {LANES})")
+        # the lane loop must stay a loop until the vectoriser sees it (one vector op per element op): fully
+        # unrolled early, gcc vectorised the jl loop instead, across lanes, with a transpose per step
+        self.emit("#pragma GCC unroll 1")
+        self.block(f"for (int u = 0; u < {LANES}; ++u)")
+        self.emit("const int64_t jj = jl + u;")
+        self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
+        self.emit(f"(void)ix_{ir.over};")
+        terms = self.cse(hoisted)
+        terms = [self.kept_term(f, t) for f, t in zip(forms, terms)]
+        for f, t in zip(forms, terms):
+            lane = accs[f.name] + "_l[u]"
+            if f.op in keyed:
+                self.emit(f"{lane} = rf::k{f.op}({lane}, rf::fkey_{keyed[f.op]}({self.pr.flt(t)}));")
+            else:
+                self.emit(f"{lane} = {self.fold(f.op, lane, self.pr.flt(t))};")
+        self.end()
+        self.end()
+        self.local = dict(kept)
+        self.block("for (int64_t jj = jl; jj < cn; ++jj)")
+        self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
+        self.emit(f"(void)ix_{ir.over};")
+        terms = self.cse(hoisted)
+        terms = [self.kept_term(f, t) for f, t in zip(forms, terms)]
+        for f, t in zip(forms, terms):
+            self.emit(f"{accs[f.name]} = {self.fold(f.op, accs[f.name], self.pr.flt(t))};")
+        self.end()
+
+    def branch_loop(self, forms: list[ReductionForm]) -> None:
+        """element_loop's folds with branches: selections, folds over free indices, masked or counted elements."""
+        ir = self.ir
         keyed = [f for f in forms if f.name in self.key_arrays and f.name not in self.byv]
         if keyed:
             self.key_loop(keyed)

@@ -865,6 +865,22 @@ def emit_fold_weights(k, g: GemmFold) -> None:
     k.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
     k.emit(f"(void)ix_{ir.over};")
     cond = k.counted_by_value() or "el_cnt[jj]"
+    arg = g.outer.args[0] if isinstance(g.outer, sp.exp) else None
+    if arg is not None and k.branch_free(arg):
+        # exp(x): the exponents (-inf where the element does not count: weight exp(-inf) = 0), then rf::exp_sum,
+        # the exp in place and the weights' sum, which a sum of the same weights takes (cpu._Kernel.direct_folds)
+        if cond == "true":
+            k.emit(f"{g.wbuf}[jj] = {k.pr.flt(arg)};")
+        else:
+            k.emit(f"const float x = {k.pr.flt(arg)};")
+            k.emit(f"{g.wbuf}[jj] = {cond} ? x : -rf::kInf;")
+        k.end()
+        total = k.fresh("wsum")
+        k.emit(f"const float {total} = rf::exp_sum({g.wbuf}, cn);")
+        k.emit(f"(void){total};")
+        k.wsums[g.wbuf] = total
+        k.local = {}
+        return
     if cond == "true":  # every element counts
         k.emit(f"{g.wbuf}[jj] = {k.pr.flt(g.outer)};")
     elif k.branch_free(g.outer):

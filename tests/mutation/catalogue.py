@@ -379,10 +379,27 @@ MUTANTS: list[Mutant] = [
       "the total of a vectorised fold's 16 lanes adds only the first 8: half of every chunk's partial sums are lost",
       ROWS, ),
     M("cpu-shared-weights-wrong-element", "generator/codegen/cpu.py",
-      'self.local[h] = f"{reuse[f.name]}[jj]"', 'self.local[h] = f"{reuse[f.name]}[0]"',
-      "the softmax denominator, summed from the weights of the GEMM fold, adds the chunk's first weight for every "
-      "element",
+      "out[f.name] = self.wsums[reuse[f.name]]", 'out[f.name] = f"{reuse[f.name]}[0]"',
+      "the softmax denominator, taken from the weights of the GEMM fold, takes the chunk's first weight for the "
+      "chunk's sum",
       ATTN, ),
+    M("cpu-exp-sum-under-not-zeroed", "ops_src/cpu_math.h",
+      "    const __m512 y = _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), _mm512_scalef_ps(p, t));\n",
+      "    const __m512 y = _mm512_scalef_ps(p, t);\n",
+      "the AVX-512 exp of a chunk keeps the value it computed at x = -87 for the lanes below ln(FLT_MIN): exp(-inf) "
+      "of a masked element is 1.6e-38 instead of 0",
+      ("tests/test_cpu_math_exhaustive.py", "-k", "chunk_helpers"), ),
+    M("cpu-exp-sum-tail-skipped", "ops_src/cpu_math.h",
+      "    acc = _mm512_add_ps(acc, y);\n  }\n  float tail = 0.0f;\n  for (; j < n; ++j) {\n",
+      "    acc = _mm512_add_ps(acc, y);\n  }\n  float tail = 0.0f;\n  for (j = n; j < n; ++j) {\n",
+      "the AVX-512 exp of a chunk stops at its last whole 16-element step: the chunk's last n % 16 weights stay "
+      "exponents and are not in the sum",
+      ("tests/test_cpu_math_exhaustive.py", "-k", "chunk_helpers"), ),
+    M("cpu-max-of-nan-dropped", "ops_src/cpu_math.h",
+      "  return nan ? std::numeric_limits<float>::quiet_NaN() : r;\n", "  return r;\n",
+      "the AVX-512 max of a chunk forgets the NaN it saw (vmaxps drops a NaN in its first operand): a row with a NaN "
+      "score gets a finite running max",
+      ("tests/test_cpu_math_exhaustive.py", "-k", "chunk_helpers"), ),
     M("cpu-kept-terms-finite-check-dropped", "generator/codegen/cpu.py",
       'self.emit("tc_ok = tc_ok && rf::is_finite_bits(tcr[tc]);")', 'self.emit("(void)tcr[tc];")',
       "a per-element output is served from the kept terms even where a chunk's ratio is not finite (a leading "
