@@ -549,7 +549,7 @@ inline float max_of_lanes(const float* w, int64_t n) {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target("arch=x86-64-v3"))) inline float max_of_v3(const float* w, int64_t n) { return max_of_lanes(w, n); }
 inline float max_of(const float* w, int64_t n) {
-  static const int level = x86_level();
+  const int level = x86_level();
   return level == 4 ? max_of_v4(w, n) : (level == 3 ? max_of_v3(w, n) : max_of_lanes(w, n));
 }
 #else
@@ -579,7 +579,7 @@ __attribute__((always_inline)) inline float exp_sum_lanes(float* w, int64_t n) {
 __attribute__((target("arch=x86-64-v3"))) inline float exp_sum_v3(float* w, int64_t n) { return exp_sum_lanes<16>(w, n); }
 inline float exp_sum_base(float* w, int64_t n) { return exp_sum_lanes<16>(w, n); }
 inline float exp_sum(float* w, int64_t n) {
-  static const int level = x86_level();
+  const int level = x86_level();
   return level == 4 ? exp_sum_v4(w, n) : (level == 3 ? exp_sum_v3(w, n) : exp_sum_base(w, n));
 }
 #else
