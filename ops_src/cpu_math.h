@@ -471,11 +471,12 @@ inline void gemm_tile_panels(int64_t M, int64_t N, int64_t K, const float* A, in
 // ------------------------------------------------------------------------------------------ exp of a chunk
 // w[j] = exp(w[j]) for j < n, in place, returning the sum of the results in the order of the generated kernels' lane
 // folds (cpu._Kernel.element_loop): lane u adds the elements u, u + 16, ... of the whole 16-element steps, the tail
-// (n % 16 elements) is added one by one from 0, and the result is tail + lanes_total<16>(lanes). For a GEMM fold
-// whose weights are exp(x): they and their sum (softmax's denominator) in one pass over the chunk.
-// On AVX-512 a step applies 2^n to p with vscalefps, which saturates by itself: +inf past the top (x clamped to 89
-// first, NaN kept: the clamp returns x when it is NaN), and the integer n, the exponent add and the select for the
-// top of rf::exp go (27 -> 19 instructions a step in fused_attention's weights loop, GCC 11). Below ln(FLT_MIN) the
+// (n % 16 elements) is added from 0 (in an order -ffast-math may change), and the result is tail +
+// lanes_total<16>(lanes). For a GEMM fold whose weights are exp(x): they and their sum (softmax's denominator) in one
+// pass over the chunk. On AVX-512 a step applies 2^n to p with vscalefps, which saturates by itself: +inf past the
+// top (x clamped to 89 first, NaN kept: the clamp returns x when it is NaN), and the integer n, the exponent add and
+// the select for the top of rf::exp go (GCC 11: 23 instructions a step for the weights and their sum, where
+// fused_attention's generated weights loop took 27 and its sum loop 4 more). Below ln(FLT_MIN) the
 // result is 0 as in rf::exp, by a zeroing mask, and those lanes are computed at x = -87 meanwhile: a subnormal or
 // underflowing result of vscalefps costs a microcode assist each (an exp(-inf) per masked element made causal
 // attention 1.7x slower). The values are rf::exp's up to the last bits (the same reduction and polynomial; the two
