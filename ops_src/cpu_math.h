@@ -430,8 +430,9 @@ __attribute__((target("arch=x86-64-v3"))) inline void gemm_tile_v3(REDFUSER_GEMM
 }
 inline void gemm_tile_base(REDFUSER_GEMM_ARGS) { gemm_rows<vf4, 8, 1>(M, N, K, A, lda, B, ldb, C, ldc, accumulate); }
 // the entry point of the CPU's x86-64 level among a kernel's three
-using gemm_fn = void (*)(REDFUSER_GEMM_ARGS);
-inline gemm_fn by_level(gemm_fn v4, gemm_fn v3, gemm_fn base) {
+// (any function pointer type: the tiles here, the chunk helpers below)
+template <class Fn>
+inline Fn by_level(Fn v4, Fn v3, Fn base) {
   const int level = x86_level();
   return level == 4 ? v4 : (level == 3 ? v3 : base);
 }
@@ -549,10 +550,7 @@ inline float max_of_lanes(const float* w, int64_t n) {
 }
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target("arch=x86-64-v3"))) inline float max_of_v3(const float* w, int64_t n) { return max_of_lanes(w, n); }
-inline float max_of(const float* w, int64_t n) {
-  const int level = x86_level();
-  return level == 4 ? max_of_v4(w, n) : (level == 3 ? max_of_v3(w, n) : max_of_lanes(w, n));
-}
+inline float max_of(const float* w, int64_t n) { return by_level(max_of_v4, max_of_v3, max_of_lanes)(w, n); }
 #else
 inline float max_of(const float* w, int64_t n) { return max_of_lanes(w, n); }
 #endif
@@ -579,10 +577,7 @@ __attribute__((always_inline)) inline float exp_sum_lanes(float* w, int64_t n) {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target("arch=x86-64-v3"))) inline float exp_sum_v3(float* w, int64_t n) { return exp_sum_lanes<16>(w, n); }
 inline float exp_sum_base(float* w, int64_t n) { return exp_sum_lanes<16>(w, n); }
-inline float exp_sum(float* w, int64_t n) {
-  const int level = x86_level();
-  return level == 4 ? exp_sum_v4(w, n) : (level == 3 ? exp_sum_v3(w, n) : exp_sum_base(w, n));
-}
+inline float exp_sum(float* w, int64_t n) { return by_level(exp_sum_v4, exp_sum_v3, exp_sum_base)(w, n); }
 #else
 inline float exp_sum(float* w, int64_t n) { return exp_sum_lanes<16>(w, n); }
 #endif

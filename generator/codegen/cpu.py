@@ -1207,6 +1207,10 @@ class _Kernel:
             if f.name in reuse:
                 self.local[h] = f"{reuse[f.name]}[jj]"
         kept = {k: v for k, v in self.local.items() if k not in before}
+
+        def element_terms() -> list[sp.Basic]:  # the terms of element jj (their cse temporaries emitted first)
+            return [self.kept_term(f, t) for f, t in zip(forms, self.cse(hoisted))]
+
         self.emit("int64_t jl = 0;")
         self.block(f"for (; jl + {LANES} <= cn; jl += {LANES})")
         # the lane loop must stay a loop until the vectoriser sees it (one vector op per element op): fully
@@ -1216,9 +1220,7 @@ class _Kernel:
         self.emit("const int64_t jj = jl + u;")
         self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
         self.emit(f"(void)ix_{ir.over};")
-        terms = self.cse(hoisted)
-        terms = [self.kept_term(f, t) for f, t in zip(forms, terms)]
-        for f, t in zip(forms, terms):
+        for f, t in zip(forms, element_terms()):
             lane = accs[f.name] + "_l[u]"
             if f.op in keyed:
                 self.emit(f"{lane} = rf::k{f.op}({lane}, rf::fkey_{keyed[f.op]}({self.pr.flt(t)}));")
@@ -1230,9 +1232,7 @@ class _Kernel:
         self.block("for (int64_t jj = jl; jj < cn; ++jj)")
         self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
         self.emit(f"(void)ix_{ir.over};")
-        terms = self.cse(hoisted)
-        terms = [self.kept_term(f, t) for f, t in zip(forms, terms)]
-        for f, t in zip(forms, terms):
+        for f, t in zip(forms, element_terms()):
             self.emit(f"{accs[f.name]} = {self.fold(f.op, accs[f.name], self.pr.flt(t))};")
         self.end()
 
