@@ -209,12 +209,74 @@ inline int64_t imod(int64_t a, int64_t b) {
 // once per kernel specialisation that calls it. Each level names its own native vector type: GCC lowers a vector
 // wider than the function's ISA piece by piece through memory (a 64-byte vector on AVX2 ran at 1.6 GFLOP/s on a
 // Zen 3 EPYC, 1 thread, tile 64 x 256 x 64).
+// GCC's -Wpsabi ("AVX vector return without AVX enabled changes the ABI") fires on the vector-valued helpers here
+// (ld8, ...) where a file's base-level code includes them, depending on the line they sit at; every such helper is
+// always_inline within the file that uses it, so no call crosses an ABI boundary and the note says nothing here
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
 typedef float vf16 __attribute__((vector_size(64)));
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
+typedef int32_t vi4 __attribute__((vector_size(16)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+// y[c] = column c of the 8 x 8 block x (y[c][r] = x[r][c]) by three rounds of two-source shuffles (pairs of rows,
+// pairs of pairs, halves), 24 shuffles
+template <class V>
+__attribute__((always_inline)) inline void transpose8(const V* x, V* y) {
+  const vi8 ev{0, 8, 2, 10, 4, 12, 6, 14}, od{1, 9, 3, 11, 5, 13, 7, 15};
+  const vi8 lo2{0, 1, 8, 9, 4, 5, 12, 13}, hi2{2, 3, 10, 11, 6, 7, 14, 15};
+  const vi8 lo4{0, 1, 2, 3, 8, 9, 10, 11}, hi4{4, 5, 6, 7, 12, 13, 14, 15};
+  vf8 p[8], q[8];
+  for (int i = 0; i < 8; i += 2) {  // rows (i, i + 1) interleaved: even and odd columns
+    p[i] = __builtin_shuffle(x[i], x[i + 1], ev);
+    p[i + 1] = __builtin_shuffle(x[i], x[i + 1], od);
+  }
+  for (int i = 0; i < 8; i += 4)  // pairs (i, i + 2): columns 0/4, 2/6 from the evens, 1/5, 3/7 from the odds
+    for (int o = 0; o < 2; ++o) {
+      q[i + o] = __builtin_shuffle(p[i + o], p[i + 2 + o], lo2);
+      q[i + 2 + o] = __builtin_shuffle(p[i + o], p[i + 2 + o], hi2);
+    }
+  // q[0..3] (rows 0-3) and q[4..7] (rows 4-7) hold columns {0/4, 1/5, 2/6, 3/7} in their two halves
+  for (int t = 0; t < 4; ++t) {
+    y[t] = __builtin_shuffle(q[t], q[4 + t], lo4);
+    y[t + 4] = __builtin_shuffle(q[t], q[4 + t], hi4);
+  }
+}
+
+// C[n * ldc + i] (+)= t[i][n] for i < MR, n < nv: a register block of the tile stored transposed (gemm_panel's
+// TC). Eight rows at a time by transpose8, each column then one 8-float add and store; other MR element by element
+template <int MR>
+__attribute__((always_inline)) inline void store_transposed(const float (*t)[32], int64_t nv, float* C, int64_t ldc,
+                                                            bool accumulate) {
+  if constexpr (MR == 8) {
+    for (int64_t g = 0; g < nv; g += 8) {
+      vf8 x[8], y[8];
+      for (int i = 0; i < 8; ++i) std::memcpy(&x[i], t[i] + g, sizeof(vf8));
+      transpose8(x, y);
+      const int64_t ne = nv - g < 8 ? nv - g : 8;
+      for (int64_t n = 0; n < ne; ++n) {
+        float* cr = C + (g + n) * ldc;
+        vf8 o = y[n];
+        if (accumulate) {
+          vf8 a;
+          std::memcpy(&a, cr, sizeof(a));
+          o += a;
+        }
+        std::memcpy(cr, &o, sizeof(o));
+      }
+    }
+  } else {
+    for (int64_t n = 0; n < nv; ++n)
+      for (int i = 0; i < MR; ++i) C[n * ldc + i] = accumulate ? C[n * ldc + i] + t[i][n] : t[i][n];
+  }
+}
 
 // MR rows x 32 columns of C in registers: NV vectors of type V per row (NV * lanes = 32)
-template <class V, int NV, int MR>
+// TC: C is stored transposed, C[n * ldc + i] (+)= the product's [i, n] (gemm_tile_panels_tc)
+template <class V, int NV, int MR, bool TC = false>
 __attribute__((always_inline)) inline void gemm_panel(int64_t K, const float* A, int64_t lda, const float* B,
                                                       int64_t ldb, float* C, int64_t ldc, int64_t nv,
                                                       bool accumulate) {
@@ -233,6 +295,15 @@ __attribute__((always_inline)) inline void gemm_panel(int64_t K, const float* A,
       #pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) c[i][v] += a * b[v];
     }
+  }
+  if constexpr (TC) {
+    alignas(64) float t[MR][32];
+    #pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i)
+      #pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) std::memcpy(t[i] + v * (32 / NV), &c[i][v], sizeof(V));
+    store_transposed<MR>(t, nv, C, ldc, accumulate);
+    return;
   }
   #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i) {
@@ -265,22 +336,25 @@ __attribute__((always_inline)) inline void gemm_panel(int64_t K, const float* A,
 // rows 1-2 KiB apart (ldb 256 or 512 floats) put a panel into a few L1 sets, fetched again from L2 by every MR rows,
 // and copying each panel into a contiguous buffer here on every call made fused_attention fp32 at 1 thread 2-7 %
 // faster (Xeon, family 6 model 207; best of 6 alternating runs); packing the tiles panel by panel removed the copy.
-template <class V, int NV, int MR>
+// TC: C stored transposed (C[n * ldc + m]), for gemm_tile_panels_tc; B is read panel by panel there (ldb 32,
+// pstride apart), here at B + n0 (one panel of ldb-wide rows) where pstride is 0
+template <class V, int NV, int MR, bool TC = false>
 __attribute__((always_inline)) inline void gemm_rows(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
                                                      const float* B, int64_t ldb, float* C, int64_t ldc,
-                                                     bool accumulate) {
+                                                     bool accumulate, int64_t pstride = 0) {
   for (int64_t n0 = 0; n0 < N; n0 += 32) {  // one 32-column panel of B stays in L1 while the rows pass over it
     const int64_t nv = N - n0 < 32 ? N - n0 : 32;
-    const float* Bp = B + n0;
+    const float* Bp = pstride ? B + n0 / 32 * pstride : B + n0;
+    const auto at = [&](int64_t m) { return TC ? C + n0 * ldc + m : C + m * ldc + n0; };
     int64_t m = 0;
     for (; m + MR <= M; m += MR)
-      gemm_panel<V, NV, MR>(K, A + m * lda, lda, Bp, ldb, C + m * ldc + n0, ldc, nv, accumulate);
+      gemm_panel<V, NV, MR, TC>(K, A + m * lda, lda, Bp, ldb, at(m), ldc, nv, accumulate);
     if (MR > 4 && m + 4 <= M) {
-      gemm_panel<V, NV, (MR > 4 ? 4 : 1)>(K, A + m * lda, lda, Bp, ldb, C + m * ldc + n0, ldc, nv, accumulate);
+      gemm_panel<V, NV, (MR > 4 ? 4 : 1), TC>(K, A + m * lda, lda, Bp, ldb, at(m), ldc, nv, accumulate);
       m += 4;
     }
     for (; m < M; ++m)
-      gemm_panel<V, NV, 1>(K, A + m * lda, lda, Bp, ldb, C + m * ldc + n0, ldc, nv, accumulate);
+      gemm_panel<V, NV, 1, TC>(K, A + m * lda, lda, Bp, ldb, at(m), ldc, nv, accumulate);
   }
 }
 
@@ -319,9 +393,6 @@ __attribute__((always_inline)) inline float lanes_total(float* l) {
 
 // {sum(a), sum(b), sum(c), sum(d)}: four lane sums at once by two rounds of pairwise interleaved adds (each group
 // of four lanes then holds partial sums of a, b, c, d) and a halving of the groups
-typedef int32_t vi4 __attribute__((vector_size(16)));
-typedef int32_t vi8 __attribute__((vector_size(32)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
 __attribute__((always_inline)) inline vf4 lane_sums4(const vf4& a, const vf4& b, const vf4& c, const vf4& d) {
   const vi4 e{0, 4, 2, 6}, o{1, 5, 3, 7}, lo{0, 1, 4, 5}, hi{2, 3, 6, 7};
   const vf4 x = __builtin_shuffle(a, b, e) + __builtin_shuffle(a, b, o);
@@ -451,9 +522,25 @@ inline void gemm_tile_nt_base(REDFUSER_GEMM_ARGS) {
 inline void gemm_tile_nt(REDFUSER_GEMM_ARGS) {
   by_level(gemm_tile_nt_v4, gemm_tile_nt_v3, gemm_tile_nt_base)(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
 }
+// (the tile of gemm_tile_panels_tc below: B in panels pstride apart, passed as ldb)
+__attribute__((target("arch=x86-64-v4"))) inline void gemm_tile_tc_v4(REDFUSER_GEMM_ARGS) {
+  gemm_rows<vf16, 2, 8, true>(M, N, K, A, lda, B, 32, C, ldc, accumulate, ldb);
+}
+__attribute__((target("arch=x86-64-v3"))) inline void gemm_tile_tc_v3(REDFUSER_GEMM_ARGS) {
+  gemm_rows<vf8, 4, 3, true>(M, N, K, A, lda, B, 32, C, ldc, accumulate, ldb);
+}
+inline void gemm_tile_tc_base(REDFUSER_GEMM_ARGS) {
+  gemm_rows<vf4, 8, 1, true>(M, N, K, A, lda, B, 32, C, ldc, accumulate, ldb);
+}
+inline void gemm_tile_tc(REDFUSER_GEMM_ARGS) {
+  by_level(gemm_tile_tc_v4, gemm_tile_tc_v3, gemm_tile_tc_base)(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+}
 #else
 inline void gemm_tile(REDFUSER_GEMM_ARGS) { gemm_rows<vf4, 8, 1>(M, N, K, A, lda, B, ldb, C, ldc, accumulate); }
 inline void gemm_tile_nt(REDFUSER_GEMM_ARGS) { gemm_nt_rows<vf4, 2, 4>(M, N, K, A, lda, B, ldb, C, ldc, accumulate); }
+inline void gemm_tile_tc(REDFUSER_GEMM_ARGS) {
+  gemm_rows<vf4, 8, 1, true>(M, N, K, A, lda, B, 32, C, ldc, accumulate, ldb);
+}
 #endif
 #undef REDFUSER_GEMM_ARGS
 
@@ -467,6 +554,17 @@ inline void gemm_tile_panels(int64_t M, int64_t N, int64_t K, const float* A, in
                              int64_t pstride, float* C, int64_t ldc, bool accumulate) {
   for (int64_t n0 = 0; n0 < N; n0 += 32)
     gemm_tile(M, N - n0 < 32 ? N - n0 : 32, K, A, lda, B + n0 / 32 * pstride, 32, C + n0, ldc, accumulate);
+}
+
+// The same product stored transposed: C[n * ldc + m] (+)= sum_k A[m, k] * B(k, n), B in panels as above. For an NT
+// fold over many rows (acc[rows, n] += w[rows, j] x W[n, j]^T) computed as acc^T = W x w^T: the weight's rows,
+// as decoded ([n][element], contiguous along the chunk), are the broadcast operand, and the rows' weights, packed
+// once per chunk into panels of 32 rows, the streamed one; each register block (8 n x 32 rows on AVX-512) is added
+// to acc transposed 8 x 8 at a time once per chunk (transpose8), where transposing every weight tile into panels
+// cost a shuffle per element.
+inline void gemm_tile_panels_tc(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+                                int64_t pstride, float* C, int64_t ldc, bool accumulate) {
+  gemm_tile_tc(M, N, K, A, lda, B, pstride, C, ldc, accumulate);
 }
 
 // ------------------------------------------------------------------------------------------ exp of a chunk
@@ -622,6 +720,18 @@ inline bool e4m3_row_dots_with(int64_t N, int64_t K, const uint8_t* W, int64_t l
   return any;
 }
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// the fp16 bit patterns of 32 (AVX-512) or 16 (AVX2) e4m3 bytes: sign to bit 15, exponent and mantissa to bits
+// 13..7, which is the value times 2^-8 exactly, normal and subnormal alike (a NaN byte comes out finite)
+__attribute__((target("arch=x86-64-v4"))) inline __m512i e4m3_fp16_v4(__m256i b) {
+  const __m512i h = _mm512_cvtepu8_epi16(b);
+  return _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi16(h, 7), _mm512_set1_epi16(0x3F80)),
+                         _mm512_and_si512(_mm512_slli_epi16(h, 8), _mm512_set1_epi16(-32768)));
+}
+__attribute__((target("arch=x86-64-v3"))) inline __m256i e4m3_fp16_v3(__m128i b) {
+  const __m256i h = _mm256_cvtepu8_epi16(b);
+  return _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(0x3F80)),
+                         _mm256_and_si256(_mm256_slli_epi16(h, 8), _mm256_set1_epi16(-32768)));
+}
 // one weight row's vector body at each AVX level: elements [k, kn) while a whole vector remains (k advanced past
 // them), NaN bytes or'ed into nan; the products with xs (x times 256) summed into one float
 struct E4m3RowV4 {
@@ -633,9 +743,7 @@ struct E4m3RowV4 {
     for (; k + 32 <= kn; k += 32) {
       const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
       m |= _mm256_cmpeq_epi8_mask(_mm256_and_si256(b, m7f), m7f);
-      const __m512i h = _mm512_cvtepu8_epi16(b);
-      const __m512i f16 = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi16(h, 7), _mm512_set1_epi16(0x3F80)),
-                                          _mm512_and_si512(_mm512_slli_epi16(h, 8), _mm512_set1_epi16(-32768)));
+      const __m512i f16 = e4m3_fp16_v4(b);
       acc0 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(f16)), _mm512_loadu_ps(xs + k), acc0);
       acc1 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(f16, 1)), _mm512_loadu_ps(xs + k + 16), acc1);
     }
@@ -655,9 +763,7 @@ struct E4m3RowV3 {
     for (; k + 16 <= kn; k += 16) {
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k));
       m = _mm_or_si128(m, _mm_cmpeq_epi8(_mm_and_si128(b, m7f), m7f));
-      const __m256i h = _mm256_cvtepu8_epi16(b);
-      const __m256i f16 = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(0x3F80)),
-                                          _mm256_and_si256(_mm256_slli_epi16(h, 8), _mm256_set1_epi16(-32768)));
+      const __m256i f16 = e4m3_fp16_v3(b);
       acc0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(f16)), _mm256_loadu_ps(xs + k), acc0);
       acc1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(f16, 1)), _mm256_loadu_ps(xs + k + 8), acc1);
     }
@@ -695,6 +801,64 @@ inline bool e4m3_row_dots(int64_t N, int64_t K, const uint8_t* W, int64_t ldw, c
   return e4m3_row_dots_base(N, K, W, ldw, x, out, bad);
 }
 
+// dst[k] = decode(src[k]) for k < n: a stretch of an e4m3 weight row decoded into a float tile, returning whether
+// some byte is NaN (0x7F / 0xFF; its float is NaN as in e4m3_to_float). The AVX levels decode as e4m3_row_dots
+// does, through float16 (the bits shifted into an fp16 are the value times 2^-8, widened by vcvtph2ps), then times
+// 256, exact: 32 (AVX-512) or 16 (AVX2) bytes a step, where the integer decode of a generated loop took a compare
+// and a select for the subnormals, another for NaN and a finite test per element. The tail, the base level and the
+// NaN bytes' floats by e4m3_to_float.
+inline bool e4m3_to_floats_base(const uint8_t* src, int64_t n, float* dst) {
+  uint32_t nan = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    dst[k] = e4m3_to_float(src[k]);
+    nan |= (src[k] & 0x7Fu) == 0x7Fu;
+  }
+  return nan != 0;
+}
+// dst[j] = NaN for the NaN bytes among src[0, k) (the vector decode widened them to finite floats)
+inline void e4m3_nan_bytes(const uint8_t* src, int64_t k, float* dst) {
+  for (int64_t j = 0; j < k; ++j)
+    if ((src[j] & 0x7Fu) == 0x7Fu) dst[j] = e4m3_to_float(src[j]);
+}
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target("arch=x86-64-v4"))) inline bool e4m3_to_floats_v4(const uint8_t* src, int64_t n, float* dst) {
+  const __m256i m7f = _mm256_set1_epi8(0x7F);
+  const __m512 x256 = _mm512_set1_ps(256.0f);
+  __mmask32 m = 0;
+  int64_t k = 0;
+  for (; k + 32 <= n; k += 32) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k));
+    m |= _mm256_cmpeq_epi8_mask(_mm256_and_si256(b, m7f), m7f);
+    const __m512i f16 = e4m3_fp16_v4(b);
+    _mm512_storeu_ps(dst + k, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(f16)), x256));
+    _mm512_storeu_ps(dst + k + 16, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(f16, 1)), x256));
+  }
+  if (m != 0) e4m3_nan_bytes(src, k, dst);  // the NaN bytes' floats (fp16 widening made them finite)
+  return e4m3_to_floats_base(src + k, n - k, dst + k) || m != 0;
+}
+__attribute__((target("arch=x86-64-v3"))) inline bool e4m3_to_floats_v3(const uint8_t* src, int64_t n, float* dst) {
+  const __m128i m7f = _mm_set1_epi8(0x7F);
+  const __m256 x256 = _mm256_set1_ps(256.0f);
+  __m128i m = _mm_setzero_si128();
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k));
+    m = _mm_or_si128(m, _mm_cmpeq_epi8(_mm_and_si128(b, m7f), m7f));
+    const __m256i f16 = e4m3_fp16_v3(b);
+    _mm256_storeu_ps(dst + k, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(f16)), x256));
+    _mm256_storeu_ps(dst + k + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(f16, 1)), x256));
+  }
+  const bool nan = _mm_movemask_epi8(m) != 0;
+  if (nan) e4m3_nan_bytes(src, k, dst);
+  return e4m3_to_floats_base(src + k, n - k, dst + k) || nan;
+}
+inline bool e4m3_to_floats(const uint8_t* src, int64_t n, float* dst) {
+  return by_level(e4m3_to_floats_v4, e4m3_to_floats_v3, e4m3_to_floats_base)(src, n, dst);
+}
+#else
+inline bool e4m3_to_floats(const uint8_t* src, int64_t n, float* dst) { return e4m3_to_floats_base(src, n, dst); }
+#endif
+
 // eight consecutive elements widened to float, as one vector: one 32-byte load for float, one 16-byte load and a
 // shift for bf16 (written element by element, GCC assembled pack_transposed's float rows from scalar inserts)
 template <class T>
@@ -722,38 +886,21 @@ __attribute__((always_inline)) inline vf8 ld8<bf16_t>(const bf16_t* p) {
 
 // dst[c * ldd + r] = rows[r][c] widened to float, for r < R, c < C: a streamed operand read along its contraction
 // index (K[j, c] for scores = Q x K^T, rows anywhere: pages of a paged cache) packed as the [c][j] tile gemm_tile
-// reads. 8 x 8 blocks are transposed in registers by three rounds of two-source shuffles (pairs of rows, pairs of
-// pairs, halves), 24 shuffles per 64 elements, with contiguous loads and stores; the element-wise pack stored every
+// reads. 8 x 8 blocks are transposed in registers (transpose8: 24 shuffles per 64 elements), with contiguous loads
+// and stores; the element-wise pack stored every
 // element to its own cache line (14 % of fused_attention's fp32 time at S 1024, 75 % of mla_decode's). Remainder
 // rows and columns element by element.
 template <class T>
 __attribute__((always_inline)) inline void pack_transposed(int64_t R, int64_t C, const T* const* rows,
                                                            float* __restrict__ dst, int64_t ldd) {
-  const vi8 ev{0, 8, 2, 10, 4, 12, 6, 14}, od{1, 9, 3, 11, 5, 13, 7, 15};
-  const vi8 lo2{0, 1, 8, 9, 4, 5, 12, 13}, hi2{2, 3, 10, 11, 6, 7, 14, 15};
-  const vi8 lo4{0, 1, 2, 3, 8, 9, 10, 11}, hi4{4, 5, 6, 7, 12, 13, 14, 15};
   int64_t r0 = 0;
   for (; r0 + 8 <= R; r0 += 8) {
     int64_t c0 = 0;
     for (; c0 + 8 <= C; c0 += 8) {
-      vf8 x[8];
+      vf8 x[8], y[8];
       for (int i = 0; i < 8; ++i) x[i] = ld8(rows[r0 + i] + c0);
-      vf8 p[8], q[8];
-      for (int i = 0; i < 8; i += 2) {  // rows (i, i + 1) interleaved: even and odd columns
-        p[i] = __builtin_shuffle(x[i], x[i + 1], ev);
-        p[i + 1] = __builtin_shuffle(x[i], x[i + 1], od);
-      }
-      for (int i = 0; i < 8; i += 4)  // pairs (i, i + 2): columns 0/4, 2/6 from the evens, 1/5, 3/7 from the odds
-        for (int o = 0; o < 2; ++o) {
-          q[i + o] = __builtin_shuffle(p[i + o], p[i + 2 + o], lo2);
-          q[i + 2 + o] = __builtin_shuffle(p[i + o], p[i + 2 + o], hi2);
-        }
-      // q[0..3] (rows 0-3) and q[4..7] (rows 4-7) hold columns {0/4, 1/5, 2/6, 3/7} in their two halves
-      for (int t = 0; t < 4; ++t) {
-        const vf8 a = __builtin_shuffle(q[t], q[4 + t], lo4), b = __builtin_shuffle(q[t], q[4 + t], hi4);
-        std::memcpy(dst + (c0 + t) * ldd + r0, &a, sizeof(vf8));
-        std::memcpy(dst + (c0 + t + 4) * ldd + r0, &b, sizeof(vf8));
-      }
+      transpose8(x, y);
+      for (int t = 0; t < 8; ++t) std::memcpy(dst + (c0 + t) * ldd + r0, &y[t], sizeof(vf8));
     }
     for (; c0 < C; ++c0)
       for (int i = 0; i < 8; ++i) dst[c0 * ldd + r0 + i] = ld(rows[r0 + i][c0]);

@@ -1,7 +1,8 @@
 // The CPU kernels' tile GEMMs (ops_src/cpu_math.h: gemm_tile, C += A x B, and gemm_tile_nt, C += A x Bt^T) and the
-// transposing pack of their streamed operand (pack_transposed, float and bf16 sources) at every x86-64 level this
-// CPU runs (v4: AVX-512, v3: AVX2, the base level: SSE2; the panel-major pack and tile that the kernels call,
-// pack_transposed_panels and gemm_tile_panels, at the machine's own), against a float64 loop, over shapes
+// transposing pack of their streamed operand (pack_transposed, float and bf16 sources), gemm_tile_tc (the product
+// stored transposed) and e4m3_to_floats, at every x86-64 level this CPU runs (v4: AVX-512, v3: AVX2, the base
+// level: SSE2; the panel-major pack and tile that the kernels call, pack_transposed_panels and
+// gemm_tile_panels, at the machine's own), against a float64 loop, over shapes
 // that take every register-block size and remainder (rows 1..33, columns 1..65, reduction lengths 1..600); and
 // first_rows, the row of a run each packed element is read with, against a search per element. The
 // op tests reach only the level of the machine they run on; the kernels pick theirs at run time, so a bug in
@@ -128,6 +129,67 @@ static int check_panels() {
         }
       }
   std::printf("panels mismatches: %d\n", bad);
+  return bad;
+}
+
+// gemm_tile_tc (gemm_tile_panels_tc's tile: the product stored transposed, C[n * ldc + m] (+)= sum_k A[m, k] *
+// B(k, n), B in 32-column panels pstride apart, passed as ldb) against float64 over shapes that take every register
+// block and remainder (the 8 x 8 transposed stores of AVX-512's 8-row blocks and their partial last group of
+// columns); C's columns past M untouched
+static int check_tc(const char* name, Gemm f) {
+  int bad = 0;
+  uint32_t seed = 4242;
+  auto rnd = [&seed] { seed = seed * 1664525u + 1013904223u; return static_cast<float>(seed >> 8) / 16777216.0f - 0.5f; };
+  for (int M : {1, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64})
+    for (int N : {1, 3, 8, 9, 31, 32, 33, 65, 128})
+      for (int K : {1, 3, 16, 17, 256, 300})
+        for (bool acc : {false, true}) {
+          const int64_t lda = K + 3, ldc = M + 3, pstride = int64_t(K) * 32 + 8, np = (N + 31) / 32;
+          std::vector<float> A(M * lda), B(np * pstride), C0(N * ldc), C;
+          for (auto& v : A) v = rnd();
+          for (auto& v : B) v = rnd();
+          for (auto& v : C0) v = rnd();
+          C = C0;
+          f(M, N, K, A.data(), lda, B.data(), pstride, C.data(), ldc, acc);
+          for (int n = 0; n < N; ++n)
+            for (int64_t m = 0; m < ldc; ++m) {
+              double r = acc || m >= M ? C0[n * ldc + m] : 0.0;
+              if (m < M)
+                for (int k = 0; k < K; ++k) r += double(A[m * lda + k]) * B[n / 32 * pstride + k * 32 + n % 32];
+              if (std::fabs(C[n * ldc + m] - r) > 1e-5 * (K + 1) && bad++ < 5)
+                std::printf("%s M%d N%d K%d acc%d [%d, %ld]: %g, want %g\n", name, M, N, K, int(acc), n, long(m),
+                            C[n * ldc + m], r);
+            }
+        }
+  std::printf("%s mismatches: %d\n", name, bad);
+  return bad;
+}
+
+// e4m3_to_floats (a weight row's stretch decoded into a float tile): every byte value at every position of the
+// vector steps and the tail (lengths 1..70, the values rotated through), bit for bit against e4m3_to_float, NaN
+// for NaN, and its flag true exactly where a NaN byte (0x7F / 0xFF) is among the n
+using Decode = bool (*)(const uint8_t*, int64_t, float*);
+static int check_e4m3_floats(const char* name, Decode f) {
+  int bad = 0;
+  for (int n = 1; n <= 70; ++n)
+    for (int start = 0; start < 256; start += 7) {
+      std::vector<uint8_t> src(n);
+      std::vector<float> dst(n + 1, -3.0f);
+      bool want_nan = false;
+      for (int k = 0; k < n; ++k) {
+        src[k] = static_cast<uint8_t>(start + k * 37);
+        want_nan = want_nan || (src[k] & 0x7F) == 0x7F;
+      }
+      const bool got = f(src.data(), n, dst.data());
+      if (got != want_nan && bad++ < 5) std::printf("%s n%d start%d: NaN flag %d, want %d\n", name, n, start, got, want_nan);
+      for (int k = 0; k < n; ++k) {
+        const float want = rf::e4m3_to_float(src[k]);
+        const bool same = std::isnan(want) ? std::isnan(dst[k]) : redfuser::float_bits(dst[k]) == redfuser::float_bits(want);
+        if (!same && bad++ < 5) std::printf("%s n%d byte 0x%02x at %d: %g, want %g\n", name, n, src[k], k, dst[k], want);
+      }
+      if (redfuser::float_bits(dst[n]) != redfuser::float_bits(-3.0f) && bad++ < 5) std::printf("%s n%d wrote past n\n", name, n);
+    }
+  std::printf("%s mismatches: %d\n", name, bad);
   return bad;
 }
 
@@ -354,6 +416,8 @@ int main() {
     bad += check_pack<float>("pack_transposed_v4 float", pack_v4<float>);
     bad += check_pack<rf::bf16_t>("pack_transposed_v4 bf16", pack_v4<rf::bf16_t>);
     bad += check_e4m3_rows("e4m3_row_dots_v4", rf::e4m3_row_dots_v4);
+    bad += check_tc("gemm_tile_tc_v4", rf::gemm_tile_tc_v4);
+    bad += check_e4m3_floats("e4m3_to_floats_v4", rf::e4m3_to_floats_v4);
     bad += check_first_rows("first_rows_v4", first_rows_v4);
   } else {
     std::printf("x86-64-v4 not supported here: skipped\n");
@@ -364,6 +428,8 @@ int main() {
     bad += check_pack<float>("pack_transposed_v3 float", pack_v3<float>);
     bad += check_pack<rf::bf16_t>("pack_transposed_v3 bf16", pack_v3<rf::bf16_t>);
     bad += check_e4m3_rows("e4m3_row_dots_v3", rf::e4m3_row_dots_v3);
+    bad += check_tc("gemm_tile_tc_v3", rf::gemm_tile_tc_v3);
+    bad += check_e4m3_floats("e4m3_to_floats_v3", rf::e4m3_to_floats_v3);
     bad += check_first_rows("first_rows_v3", first_rows_v3);
   } else {
     std::printf("x86-64-v3 not supported here: skipped\n");
@@ -371,10 +437,13 @@ int main() {
   bad += check("gemm_tile_base", rf::gemm_tile_base, false);
   bad += check("gemm_tile_nt_base", rf::gemm_tile_nt_base, true);
   bad += check_e4m3_rows("e4m3_row_dots_base", rf::e4m3_row_dots_base);
+  bad += check_tc("gemm_tile_tc_base", rf::gemm_tile_tc_base);
 #else
   bad += check("gemm_tile", rf::gemm_tile, false);
   bad += check("gemm_tile_nt", rf::gemm_tile_nt, true);
+  bad += check_tc("gemm_tile_tc", rf::gemm_tile_tc);
 #endif
+  bad += check_e4m3_floats("e4m3_to_floats_base", rf::e4m3_to_floats_base);
   if (rf::bf16_dot_supported())  // checked wherever the instruction exists, whether or not the kernels pick it here
     bad += check_bf16_pairs();
   else

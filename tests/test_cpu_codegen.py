@@ -244,6 +244,11 @@ def test_fp8_weight_decoded_once_per_tile():
         # W[n, k] is read along k: packed [n][element] with contiguous reads (and the rows ahead prefetched), then
         # one NT tile; the chunk is longer (WCHUNK) so that each read is a stretch of a weight row, not one line
         assert re.search(r"dst\[jj\] = v;", body) and "rf::ld(t_w[" in body
+        # ... and where W is contiguous along k, each row's stretch decoded by vectors, the loop kept for other strides
+        dec = body.index("if (st_w[1] == 1) {")
+        assert re.search(r"bad \|= rf::e4m3_to_floats\(reinterpret_cast<const uint8_t\*>\(t_w \+ ix_n \* st_w\[0\] \+ "
+                         r"c0\), cn, dst\) \? 1u : 0u;\s*continue;", body[dec:])
+        assert body.index("__builtin_prefetch(&t_w[") < dec < body.index("rf::ld(t_w[")
         assert "__builtin_prefetch(&t_w[" in body and "c0 += 256" in body
         assert re.search(r"rf::gemm_tile_nt\(r1 - r0, nt, cn, bwts\d+ \+ r0 \* 256, 256, pk\d+, 256, bst_acc", body)
         assert body.count("rf::ld(t_w[") == 1  # read only where the tile is packed
@@ -251,12 +256,17 @@ def test_fp8_weight_decoded_once_per_tile():
         assert re.search(r"wts\d+\[jj\] = rf::round_e4m3\(", body) and not re.search(r"wts\d+\[jj\] = el_cnt", body)
         # the output row of N floats: a copy of its loop for a unit stride, which vectorises
         assert "if (ost_out[1] == 1) {" in body and "rf::store(&o_out[ix_m * ost_out[0] + ix_n], " in body
-        # a run of more than NT_RUN rows transposes the decoded tile and takes the register-blocked tile instead
-        long = re.search(r"if \(r1 - r0 > 32\) \{\s*(//[^\n]*\n\s*)*rf::pack_transposed_panels\(nt, cn, (pk\d+)_rows, "
-                         r"(pk\d+)t, 8192\);\s*rf::gemm_tile_panels\(r1 - r0, nt, cn, bwts\d+ \+ r0 \* 256, 256, pk\d+t, "
-                         r"8192, bst_acc", body)
-        assert long and long.group(2) == long.group(3)
-        assert long.start() < body.index("rf::gemm_tile_nt(")
+        # a run of more than NT_RUN rows takes the register-blocked tile instead, transposed: acc^T = tile x w^T, its
+        # weights packed into panels once per chunk (before the column tiles), the decoded tile read as it is
+        pack = re.search(r"if \(!pairs && r1 - r0 > 32\) \{\s*(//[^\n]*\n\s*)*for \(int64_t q = r0; q < r1; \+\+q\) (wts\d+)_rows"
+                         r"\[q - r0\] = b(wts\d+) \+ q \* 256;\s*rf::pack_transposed_panels\(r1 - r0, cn, (wts\d+)_rows, "
+                         r"(wts\d+)t, 8192\);", body)
+        assert pack and len({pack.group(i) for i in (2, 3, 4, 5)}) == 1
+        long = re.search(r"if \(r1 - r0 > 32\) \{\s*(//[^\n]*\n\s*)*rf::gemm_tile_panels_tc\(nt, r1 - r0, cn, pk\d+, 256, "
+                         r"(wts\d+)t, 8192, bst_acc \+ r0 \* szf \+ n0, szf, true\);", body)
+        assert long and long.group(2) == pack.group(2)
+        assert pack.start() < body.index("for (int64_t n0 = ") < long.start() < body.index("rf::gemm_tile_nt(")
+        assert "pack_transposed_panels(nt," not in body  # no tile transposed per column tile
     # the weight is decoded once per block, so the blocks are as large as they may be (up to 128 rows) and threads
     # beyond the blocks share out columns; attention (whose tasks of a column range would repeat q.k) keeps two
     # blocks per thread where there are several threads, for balance

@@ -400,6 +400,25 @@ MUTANTS: list[Mutant] = [
       "the AVX-512 max of a chunk forgets the NaN it saw (vmaxps drops a NaN in its first operand): a row with a NaN "
       "score gets a finite running max",
       ("tests/test_cpu_math_exhaustive.py", "-k", "chunk_helpers"), ),
+    M("cpu-tc-store-last-column-dropped", "ops_src/cpu_math.h",
+      "      const int64_t ne = nv - g < 8 ? nv - g : 8;\n",
+      "      const int64_t ne = nv - g < 8 ? nv - g - 1 : 8;\n",
+      "the transposed store of an 8-row register block (gemm_tile_panels_tc) drops the last column of a partial "
+      "group: an fp8 GEMM over more than 32 tokens, not a multiple of 8 per panel, leaves a token's sums out",
+      ("tests/test_cpu_math_exhaustive.py", "-k", "tile_gemms"), ),
+    M("e4m3-to-floats-nan-bytes-finite", "ops_src/cpu_math.h",
+      "  if (m != 0) e4m3_nan_bytes(src, k, dst);  // the NaN bytes' floats (fp16 widening made them finite)\n",
+      "  if (false) e4m3_nan_bytes(src, k, dst);  // the NaN bytes' floats (fp16 widening made them finite)\n",
+      "the AVX-512 decode of a weight tile leaves NaN bytes at the fp16 path's finite 480 (still flagging the tile): "
+      "the float fallback then folds a NaN weight as 480",
+      ("tests/test_cpu_math_exhaustive.py", "-k", "tile_gemms"), ),
+    M("tiles-tc-weight-rows-at-chunk-length", "generator/codegen/cpu_tiles.py",
+      'k.emit(f"for (int64_t q = r0; q < r1; ++q) {g.wbuf}_rows[q - r0] = b{g.wbuf} + q * {ch};")',
+      'k.emit(f"for (int64_t q = r0; q < r1; ++q) {g.wbuf}_rows[q - r0] = b{g.wbuf} + q * cn;")',
+      "a long run's weights are packed for the transposed tile at the stride of the chunk's length, not the "
+      "buffer's: the fp8 GEMM over more than 32 tokens reads the wrong quantised activations in the last, shorter "
+      "chunk of K",
+      ("tests/test_fp8_quant_gemm.py", *NOSLOW), ),
     M("cpu-kept-terms-finite-check-dropped", "generator/codegen/cpu.py",
       'self.emit("tc_ok = tc_ok && rf::is_finite_bits(tcr[tc]);")', 'self.emit("(void)tcr[tc];")',
       "a per-element output is served from the kept terms even where a chunk's ratio is not finite (a leading "
