@@ -134,14 +134,14 @@ static int check_panels() {
 
 // gemm_tile_tc (gemm_tile_panels_tc's tile: the product stored transposed, C[n * ldc + m] (+)= sum_k A[m, k] *
 // B(k, n), B in 32-column panels pstride apart, passed as ldb) against float64 over shapes that take every register
-// block and remainder (the 8 x 8 transposed stores of AVX-512's 8-row blocks and their partial last group of
-// columns); C's columns past M untouched
+// block and remainder (the 8 x 8 transposed stores of AVX-512's 8- and 16-row blocks, the 16-row blocks of one
+// vector of B at N <= 16, and their partial last group of columns); C's columns past M untouched
 static int check_tc(const char* name, Gemm f) {
   int bad = 0;
   uint32_t seed = 4242;
   auto rnd = [&seed] { seed = seed * 1664525u + 1013904223u; return static_cast<float>(seed >> 8) / 16777216.0f - 0.5f; };
-  for (int M : {1, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64})
-    for (int N : {1, 3, 8, 9, 31, 32, 33, 65, 128})
+  for (int M : {1, 3, 4, 5, 7, 8, 9, 12, 16, 17, 28, 31, 33, 64})
+    for (int N : {1, 3, 8, 9, 15, 16, 17, 31, 32, 33, 65, 128})
       for (int K : {1, 3, 16, 17, 256, 300})
         for (bool acc : {false, true}) {
           const int64_t lda = K + 3, ldc = M + 3, pstride = int64_t(K) * 32 + 8, np = (N + 31) / 32;

@@ -256,13 +256,15 @@ def test_fp8_weight_decoded_once_per_tile():
         assert re.search(r"wts\d+\[jj\] = rf::round_e4m3\(", body) and not re.search(r"wts\d+\[jj\] = el_cnt", body)
         # the output row of N floats: a copy of its loop for a unit stride, which vectorises
         assert "if (ost_out[1] == 1) {" in body and "rf::store(&o_out[ix_m * ost_out[0] + ix_n], " in body
-        # a run of more than NT_RUN rows takes the register-blocked tile instead, transposed: acc^T = tile x w^T, its
-        # weights packed into panels once per chunk (before the column tiles), the decoded tile read as it is
-        pack = re.search(r"if \(!pairs && r1 - r0 > 32\) \{\s*(//[^\n]*\n\s*)*for \(int64_t q = r0; q < r1; \+\+q\) (wts\d+)_rows"
+        # a run of more than NT_RUN rows (or of 16 or 32, which fill its columns) takes the register-blocked tile
+        # instead, transposed: acc^T = tile x w^T, its weights packed into panels once per chunk (before the column
+        # tiles), the decoded tile read as it is
+        tc = r"r1 - r0 > 32 \|\| \(r1 - r0\) % 16 == 0"
+        pack = re.search(r"if \(!pairs && \(" + tc + r"\)\) \{\s*(//[^\n]*\n\s*)*for \(int64_t q = r0; q < r1; \+\+q\) (wts\d+)_rows"
                          r"\[q - r0\] = b(wts\d+) \+ q \* 256;\s*rf::pack_transposed_panels\(r1 - r0, cn, (wts\d+)_rows, "
                          r"(wts\d+)t, 8192\);", body)
         assert pack and len({pack.group(i) for i in (2, 3, 4, 5)}) == 1
-        long = re.search(r"if \(r1 - r0 > 32\) \{\s*(//[^\n]*\n\s*)*rf::gemm_tile_panels_tc\(nt, r1 - r0, cn, pk\d+, 256, "
+        long = re.search(r"if \(" + tc + r"\) \{\s*(//[^\n]*\n\s*)*rf::gemm_tile_panels_tc\(nt, r1 - r0, cn, pk\d+, 256, "
                          r"(wts\d+)t, 8192, bst_acc \+ r0 \* szf \+ n0, szf, true\);", body)
         assert long and long.group(2) == pack.group(2)
         assert pack.start() < body.index("for (int64_t n0 = ") < long.start() < body.index("rf::gemm_tile_nt(")

@@ -1112,8 +1112,8 @@ def _pack_fold_nt(k, g: GemmFold) -> None:
     in bounds: _direct_over_last; an e4m3 weight decoded by rf::e4m3_to_floats), then one GEMM tile acc[rows, n] +=
     w[rows, j] x pack[n, j]^T: for a long run as acc^T = pack x w^T (rf::gemm_tile_panels_tc, the run's weights
     transposed into panels once per chunk; measured on fp8_quant_gemm M128 N4096 K4096 at 1 thread, Xeon: 37.7 ->
-    34.9 ms against transposing every tile, and 34.9 -> 33.8 ms with the vector decode), else the NT tile (lane sums,
-    no transpose). Elements no row counts get weight 0 from every row; a tile with an inf/NaN is folded over counted
+    34.9 ms against transposing every tile, and 34.9 -> 33.8 ms with the vector decode; also for runs of 16 or 32
+    rows, which fill its columns), else the NT tile (lane sums, no transpose). Elements no row counts get weight 0 from every row; a tile with an inf/NaN is folded over counted
     elements only."""
     ir, ch = k.ir, k.chunk
     n, tile = g.free, _ntile(k)
@@ -1123,8 +1123,10 @@ def _pack_fold_nt(k, g: GemmFold) -> None:
         k.emit(f"const bool pairs = {g.pack}_bf && r1 - r0 > {NT_RUN};  // a long run on bf16 pairs")
         k.emit(f"if (pairs) rf::pairs_from_floats(r1 - r0, cn, b{g.wbuf} + r0 * {ch}, {ch}, {g.wbuf}h + r0 * {ch // 2}, "
                f"{ch // 2});")
-    k.block(f"if ({'!pairs && ' if pairs else ''}r1 - r0 > {NT_RUN})")
-    k.emit("// a long run: its weights transposed once per chunk into panels of 32 rows, the tile's streamed operand")
+    tc = f"r1 - r0 > {NT_RUN} || (r1 - r0) % 16 == 0"
+    k.block(f"if ({f'!pairs && ({tc})' if pairs else tc})")
+    k.emit("// a long run (or one of 16 or 32 rows): its weights transposed once per chunk into panels of 32 rows, "
+           "the tile's streamed operand")
     k.emit(f"for (int64_t q = r0; q < r1; ++q) {g.wbuf}_rows[q - r0] = b{g.wbuf} + q * {ch};")
     k.emit(f"rf::pack_transposed_panels(r1 - r0, cn, {g.wbuf}_rows, {g.wbuf}t, {ch * 32});")
     k.end()
@@ -1151,10 +1153,12 @@ def _pack_fold_nt(k, g: GemmFold) -> None:
     k.end()
     k.end()
     acc, wts = f"bst_{g.name} + r0 * szf + n0, szf, true);", f"b{g.wbuf} + r0 * {ch}, {ch}"
-    lines = [f"if (r1 - r0 > {NT_RUN}) {{",
+    lines = [f"if ({tc}) {{",
              f"  // a long run: acc^T = tile x weights^T on the register-blocked tile, the tile's rows of {n} as they",
              "  // are, the sums added to acc transposed (the NT tile's lane sums cost more at many rows, and",
-             "  // transposing each tile into panels cost a shuffle per element)",
+             "  // transposing each tile into panels cost a shuffle per element); also a run of 16 or 32 rows, which",
+             "  // fills the tile's columns (fp8_quant_gemm at 1 thread, Xeon: NT faster at 12 and 20 rows, the",
+             "  // transposed tile at 16)",
              f"  rf::gemm_tile_panels_tc(nt, r1 - r0, cn, {g.pack}, {ch}, {g.wbuf}t, {ch * 32}, {acc}",
              "} else {",
              f"  rf::gemm_tile_nt(r1 - r0, nt, cn, {wts}, {g.pack}, {ch}, {acc}",

@@ -406,6 +406,12 @@ MUTANTS: list[Mutant] = [
       "the transposed store of an 8-row register block (gemm_tile_panels_tc) drops the last column of a partial "
       "group: an fp8 GEMM over more than 32 tokens, not a multiple of 8 per panel, leaves a token's sums out",
       ("tests/test_cpu_math_exhaustive.py", "-k", "tile_gemms"), ),
+    M("cpu-tc-narrow-block-past-16", "ops_src/cpu_math.h",
+      "  if (N <= 16)\n    gemm_rows<vf16, 1, 16, true>",
+      "  if (N <= 17)\n    gemm_rows<vf16, 1, 16, true>",
+      "the AVX-512 transposed tile takes its 16-column block for 17 columns too: the 17th column (a run's 17th "
+      "row of an fp8 GEMM) gets the sums of lanes the block never computed",
+      ("tests/test_cpu_math_exhaustive.py", "-k", "tile_gemms"), ),
     M("e4m3-to-floats-nan-bytes-finite", "ops_src/cpu_math.h",
       "  if (m != 0) e4m3_nan_bytes(src, k, dst);  // the NaN bytes' floats (fp16 widening made them finite)\n",
       "  if (false) e4m3_nan_bytes(src, k, dst);  // the NaN bytes' floats (fp16 widening made them finite)\n",
