@@ -210,8 +210,8 @@ inline int64_t imod(int64_t a, int64_t b) {
 // wider than the function's ISA piece by piece through memory (a 64-byte vector on AVX2 ran at 1.6 GFLOP/s on a
 // Zen 3 EPYC, 1 thread, tile 64 x 256 x 64).
 // GCC's -Wpsabi ("AVX vector return without AVX enabled changes the ABI") fires on the vector-valued helpers here
-// (ld8, ...) where a file's base-level code includes them, depending on the line they sit at; every such helper is
-// always_inline within the file that uses it, so no call crosses an ABI boundary and the note says nothing here
+// (ld8, ...) in files whose base-level code includes them (which helper it names moved with unrelated edits); every
+// such helper is always_inline within the file that uses it, so no call crosses an ABI boundary: the note is noise
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wpsabi"
 #endif
@@ -223,7 +223,7 @@ typedef int32_t vi8 __attribute__((vector_size(32)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
 
 // y[c] = column c of the 8 x 8 block x (y[c][r] = x[r][c]) by three rounds of two-source shuffles (pairs of rows,
-// pairs of pairs, halves), 24 shuffles
+// pairs of pairs, halves), 24 shuffles (V is vf8; a template, so that it is compiled only where a caller inlines it)
 template <class V>
 __attribute__((always_inline)) inline void transpose8(const V* x, V* y) {
   const vi8 ev{0, 8, 2, 10, 4, 12, 6, 14}, od{1, 9, 3, 11, 5, 13, 7, 15};
@@ -531,10 +531,9 @@ inline void gemm_tile_nt_base(REDFUSER_GEMM_ARGS) {
 inline void gemm_tile_nt(REDFUSER_GEMM_ARGS) {
   by_level(gemm_tile_nt_v4, gemm_tile_nt_v3, gemm_tile_nt_base)(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
 }
-// (the tile of gemm_tile_panels_tc below: B in panels pstride apart, passed as ldb)
-// (at most 16 columns, a run of 16 rows or fewer: blocks of 16 columns, twice the rows of A (16 x one zmm, 6 x two
-// ymm), where the 32-column block would compute half its columns for nothing: fp8_quant_gemm M16 N4096 K4096 at 1
-// thread 8.4 -> 7.6 ms, Xeon)
+// the tile of gemm_tile_panels_tc below (B in panels pstride apart, passed as ldb); at most 16 columns (a run of 16
+// rows or fewer) in blocks of 16 columns and twice the rows of A (16 x one zmm, 6 x two ymm), where the 32-column
+// block would compute half its columns for nothing (fp8_quant_gemm M16 N4096 K4096 at 1 thread 8.4 -> 7.6 ms, Xeon)
 __attribute__((target("arch=x86-64-v4"))) inline void gemm_tile_tc_v4(REDFUSER_GEMM_ARGS) {
   if (N <= 16)
     gemm_rows<vf16, 1, 16, true>(M, N, K, A, lda, B, 32, C, ldc, accumulate, ldb);
@@ -905,9 +904,8 @@ __attribute__((always_inline)) inline vf8 ld8<bf16_t>(const bf16_t* p) {
 // dst[c * ldd + r] = rows[r][c] widened to float, for r < R, c < C: a streamed operand read along its contraction
 // index (K[j, c] for scores = Q x K^T, rows anywhere: pages of a paged cache) packed as the [c][j] tile gemm_tile
 // reads. 8 x 8 blocks are transposed in registers (transpose8: 24 shuffles per 64 elements), with contiguous loads
-// and stores; the element-wise pack stored every
-// element to its own cache line (14 % of fused_attention's fp32 time at S 1024, 75 % of mla_decode's). Remainder
-// rows and columns element by element.
+// and stores; the element-wise pack stored every element to its own cache line (14 % of fused_attention's fp32 time
+// at S 1024, 75 % of mla_decode's). Remainder rows and columns element by element.
 template <class T>
 __attribute__((always_inline)) inline void pack_transposed(int64_t R, int64_t C, const T* const* rows,
                                                            float* __restrict__ dst, int64_t ldd) {

@@ -181,13 +181,17 @@ static int check_e4m3_floats(const char* name, Decode f) {
         want_nan = want_nan || (src[k] & 0x7F) == 0x7F;
       }
       const bool got = f(src.data(), n, dst.data());
-      if (got != want_nan && bad++ < 5) std::printf("%s n%d start%d: NaN flag %d, want %d\n", name, n, start, got, want_nan);
+      if (got != want_nan && bad++ < 5)
+        std::printf("%s n%d start%d: NaN flag %d, want %d\n", name, n, start, got, want_nan);
       for (int k = 0; k < n; ++k) {
         const float want = rf::e4m3_to_float(src[k]);
-        const bool same = std::isnan(want) ? std::isnan(dst[k]) : redfuser::float_bits(dst[k]) == redfuser::float_bits(want);
-        if (!same && bad++ < 5) std::printf("%s n%d byte 0x%02x at %d: %g, want %g\n", name, n, src[k], k, dst[k], want);
+        const bool same = std::isnan(want) ? std::isnan(dst[k])
+                                           : redfuser::float_bits(dst[k]) == redfuser::float_bits(want);
+        if (!same && bad++ < 5)
+          std::printf("%s n%d byte 0x%02x at %d: %g, want %g\n", name, n, src[k], k, dst[k], want);
       }
-      if (redfuser::float_bits(dst[n]) != redfuser::float_bits(-3.0f) && bad++ < 5) std::printf("%s n%d wrote past n\n", name, n);
+      if (redfuser::float_bits(dst[n]) != redfuser::float_bits(-3.0f) && bad++ < 5)
+        std::printf("%s n%d wrote past n\n", name, n);
     }
   std::printf("%s mismatches: %d\n", name, bad);
   return bad;

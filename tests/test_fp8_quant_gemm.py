@@ -138,11 +138,11 @@ def test_cpu_columns_shared_across_threads(threads):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_cpu_nan_weight_in_long_and_short_runs(threads):
-    """A NaN weight (e4m3 0x7F) makes its tile fall back to the element-wise fold, in a block of more than 32 rows
-    (the transposed register-blocked tile; also a run of 16, its 16-column block) as in a short one (the NT tile),
-    and its weight row is summed again in a run of one row (the decode-and-dot rows, rf::e4m3_row_dots, which decode
-    through fp16 where a NaN byte would read as 480): its output column is NaN in every row, every other column matches the reference, and both thread counts
-    give the same result."""
+    """A NaN weight (e4m3 0x7F) makes its tile fall back to the element-wise fold, in a block of more than 32 rows (the
+    transposed register-blocked tile; also a run of 16, its 16-column block) as in a short one (the NT tile), and
+    its weight row is summed again in a run of one row (the decode-and-dot rows, rf::e4m3_row_dots, which decode
+    through fp16 where a NaN byte would read as 480): its output column is NaN in every row, every other column
+    matches the reference, and both thread counts give the same result."""
     gen = torch.Generator().manual_seed(16)
     old = torch.get_num_threads()
     try:
