@@ -1111,9 +1111,9 @@ def _pack_fold_nt(k, g: GemmFold) -> None:
     """_pack_fold for a factor F[j, n] = W[n, j]: packed [n][element] (contiguous reads of W along the chunk, all
     in bounds: _direct_over_last; an e4m3 weight decoded by rf::e4m3_to_floats), then one GEMM tile acc[rows, n] +=
     w[rows, j] x pack[n, j]^T: for a long run as acc^T = pack x w^T (rf::gemm_tile_panels_tc, the run's weights
-    transposed into panels once per chunk; measured on fp8_quant_gemm M128 N4096 K4096 at 1 thread, Xeon: 37.7 ->
-    34.9 ms against transposing every tile, and 34.9 -> 33.8 ms with the vector decode; also for runs of 16 or 32
-    rows, which fill its columns), else the NT tile (lane sums, no transpose). Elements no row counts get weight 0
+    transposed into panels once per chunk; measured on the quantised GEMM spec, M128 N4096 K4096, 1 thread, Xeon:
+    37.7 -> 34.9 ms against transposing every tile, and 34.9 -> 33.8 ms with the vector decode; also for runs of 16
+    or 32 rows, which fill its columns), else the NT tile (lane sums, no transpose). Elements no row counts get weight 0
     from every row; a tile with an inf/NaN is folded over counted elements only."""
     ir, ch = k.ir, k.chunk
     n, tile = g.free, _ntile(k)
@@ -1157,8 +1157,8 @@ def _pack_fold_nt(k, g: GemmFold) -> None:
              f"  // a long run: acc^T = tile x weights^T on the register-blocked tile, the tile's rows of {n} as they",
              "  // are, the sums added to acc transposed (the NT tile's lane sums cost more at many rows, and",
              "  // transposing each tile into panels cost a shuffle per element); also a run of 16 or 32 rows, which",
-             "  // fills the tile's columns (fp8_quant_gemm at 1 thread, Xeon: NT faster at 12 and 20 rows, the",
-             "  // transposed tile at 16)",
+             "  // fills the tile's columns (the quantised GEMM at 1 thread, Xeon: NT faster at 12 and 20 rows,",
+             "  // the transposed tile at 16)",
              f"  rf::gemm_tile_panels_tc(nt, r1 - r0, cn, {g.pack}, {ch}, {g.wbuf}t, {ch * 32}, {acc}",
              "} else {",
              f"  rf::gemm_tile_nt(r1 - r0, nt, cn, {wts}, {g.pack}, {ch}, {acc}",
