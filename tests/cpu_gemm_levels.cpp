@@ -19,12 +19,19 @@
 
 namespace rf = redfuser::cpu;
 
+// the tests' pseudo-random numbers: a linear congruential step, its top 24 bits, or those as a float in [-0.5, 0.5)
+static uint32_t lcg(uint32_t& seed) {
+  seed = seed * 1664525u + 1013904223u;
+  return seed >> 8;
+}
+static float uniform(uint32_t& seed) { return static_cast<float>(lcg(seed)) / 16777216.0f - 0.5f; }
+
 using Gemm = void (*)(int64_t, int64_t, int64_t, const float*, int64_t, const float*, int64_t, float*, int64_t, bool);
 
 static int check(const char* name, Gemm f, bool nt) {
   int bad = 0;
   uint32_t seed = 12345;
-  auto rnd = [&seed] { seed = seed * 1664525u + 1013904223u; return static_cast<float>(seed >> 8) / 16777216.0f - 0.5f; };
+  auto rnd = [&seed] { return uniform(seed); };
   // pad 0 with N <= 32: one contiguous panel (ldb 32), as the kernels' panel-major tiles pass it (gemm_tile_panels)
   for (int pad : {3, 0})
   for (int M : {1, 2, 3, 4, 5, 7, 8, 9, 17, 33})
@@ -93,7 +100,7 @@ static int check_pack(const char* name, Pack<T> f) {
 static int check_panels() {
   int bad = 0;
   uint32_t seed = 31337;
-  auto rnd = [&seed] { seed = seed * 1664525u + 1013904223u; return static_cast<float>(seed >> 8) / 16777216.0f - 0.5f; };
+  auto rnd = [&seed] { return uniform(seed); };
   for (int R : {1, 9, 31, 32, 33, 64, 65, 256})
     for (int C : {1, 8, 17, 128, 300})
       for (int M : {1, 9, 17, 33}) {
@@ -139,7 +146,7 @@ static int check_panels() {
 static int check_tc(const char* name, Gemm f) {
   int bad = 0;
   uint32_t seed = 4242;
-  auto rnd = [&seed] { seed = seed * 1664525u + 1013904223u; return static_cast<float>(seed >> 8) / 16777216.0f - 0.5f; };
+  auto rnd = [&seed] { return uniform(seed); };
   for (int M : {1, 3, 4, 5, 7, 8, 9, 12, 16, 17, 28, 31, 33, 64})
     for (int N : {1, 3, 8, 9, 15, 16, 17, 31, 32, 33, 65, 128})
       for (int K : {1, 3, 16, 17, 256, 300})
@@ -271,7 +278,7 @@ static int check_first_rows(const char* name, FirstRows f) {
 static int check_bf16_pairs() {
   int bad = 0;
   uint32_t seed = 4242;
-  auto rnd = [&seed] { seed = seed * 1664525u + 1013904223u; return static_cast<float>(seed >> 8) / 16777216.0f - 0.5f; };
+  auto rnd = [&seed] { return uniform(seed); };
   auto r16 = [](float v) { return redfuser::bf16_to_float(redfuser::float_to_bf16(v)); };
   for (int M : {1, 3, 4, 5, 8, 9, 13, 17})
     for (int N : {1, 5, 16, 17, 31, 32, 33, 65})
@@ -346,7 +353,7 @@ using RowDots = bool (*)(int64_t, int64_t, const uint8_t*, int64_t, const float*
 static int check_e4m3_rows(const char* name, RowDots f) {
   int bad = 0;
   uint32_t seed = 99;
-  auto rnd = [&seed] { seed = seed * 1664525u + 1013904223u; return seed >> 8; };
+  auto rnd = [&seed] { return lcg(seed); };
   for (int pos : {0, 5, 31, 32, 47, 63, 70}) {  // body lanes and the tail (K = 71)
     const int K = 71;
     std::vector<uint8_t> W(256 * (K + 2), 0);

@@ -1113,8 +1113,8 @@ def _pack_fold_nt(k, g: GemmFold) -> None:
     w[rows, j] x pack[n, j]^T: for a long run as acc^T = pack x w^T (rf::gemm_tile_panels_tc, the run's weights
     transposed into panels once per chunk; measured on the quantised GEMM spec, M128 N4096 K4096, 1 thread, Xeon:
     37.7 -> 34.9 ms against transposing every tile, and 34.9 -> 33.8 ms with the vector decode; also for runs of 16
-    or 32 rows, which fill its columns), else the NT tile (lane sums, no transpose). Elements no row counts get weight 0
-    from every row; a tile with an inf/NaN is folded over counted elements only."""
+    or 32 rows, which fill its columns), else the NT tile (lane sums, no transpose). Elements no row counts get
+    weight 0 from every row; a tile with an inf/NaN is folded over counted elements only."""
     ir, ch = k.ir, k.chunk
     n, tile = g.free, _ntile(k)
     lo, hi = k.bounds(n)
