@@ -1209,10 +1209,10 @@ __attribute__((always_inline)) inline int32_t sel_okey(float v) {
 // sel_position refuses: the chunk's elements come after every entry, so an equal key loses on its index), the k
 // best of the chunk in the selection order (larger key, NaN last, lower position on equal keys). Offering only
 // these, in any order, leaves the selection as offering every element in turn would: an element with k better
-// ones in its chunk has k better ones in the row. The k best are found by k vectorised max/first-position scans
-// over int keys (sel_okey), which costs less than offering every element to the scalar insertion when k is small
-// beside the chunk (16 k <= N: a router's k = 6 or 8 in chunks of 256; a sampler's k = 50 offers every element
-// above the last entry). (Always inlined: a kernel's target clone then compiles it for its own instruction set.)
+// ones in its chunk has k better ones in the row. The k best are found by k vectorised min scans over int keys
+// (sel_okey; below), which costs less than offering every element to the scalar insertion when k is small beside
+// the chunk (16 k <= N: a router's k = 6 or 8 in chunks of 256; a sampler's k = 50 offers every element above the
+// last entry). (Always inlined: a kernel's target clone then compiles it for its own instruction set.)
 template <int N>
 __attribute__((always_inline)) inline int64_t sel_candidates(const float* key, const uint8_t* offered, int64_t n,
                                                              const float* keys, const uint8_t* ok, int64_t k,
@@ -1237,13 +1237,23 @@ __attribute__((always_inline)) inline int64_t sel_candidates(const float* key, c
     }
     return c;
   }
+  // the k best in turn, each the nearest below the one before in distinct 64-bit keys (the int key times 256 plus
+  // the complement of the position: a tie goes to the lower position): the least (last - 1 - key) as unsigned,
+  // where the keys at or above the last wrap to the top, so a scan is a plain min with no condition (vectorised)
+  // and nothing is stored between the scans; live > k, so every one finds an offered element
+  static_assert(N <= 256, "a position takes 8 bits of the 64-bit key");
+  const auto code = [](int64_t j) { return 255 - j; };  // a position's code, its own inverse
+  int64_t wide[N];
+  for (int j = 0; j < nr; ++j) wide[j] = int64_t(w[j]) * 256 + code(j);
+  int64_t last = int64_t(1) << 39;  // above every key: w[j] < 2^31
   for (int64_t r = 0; r < k; ++r) {
-    int32_t best = kNone;
-    for (int j = 0; j < nr; ++j) best = w[j] > best ? w[j] : best;
-    int32_t at = N;
-    for (int j = 0; j < nr; ++j) at = std::min(at, w[j] == best ? int32_t(j) : int32_t(N));
-    out[r] = at;
-    w[at] = kNone;
+    uint64_t least = ~uint64_t{0};
+    for (int j = 0; j < nr; ++j) {
+      const uint64_t gap = static_cast<uint64_t>(last - 1 - wide[j]);
+      least = gap < least ? gap : least;
+    }
+    last = last - 1 - static_cast<int64_t>(least);
+    out[r] = code(last & 255);
   }
   return k;
 }

@@ -518,8 +518,8 @@ MUTANTS: list[Mutant] = [
       "ops' tests on an AVX-512 machine pass; the per-level tile GEMM test catches it on any machine with AVX2",
       ("tests/test_cpu_math_exhaustive.py", "-k", "x86"), ),
     M("cpu-sel-candidates-ties-to-last", "ops_src/cpu_math.h",
-      "    for (int j = 0; j < nr; ++j) at = std::min(at, w[j] == best ? int32_t(j) : int32_t(N));\n",
-      "    for (int j = 0; j < nr; ++j) at = w[j] == best ? int32_t(j) : at;\n",
+      "  const auto code = [](int64_t j) { return 255 - j; };  // a position's code, its own inverse\n",
+      "  const auto code = [](int64_t j) { return j; };  // a position's code, its own inverse\n",
       "a chunk's candidates for a top-k take, among equal keys, the last element instead of the first: with more "
       "equal keys than places left, the selection keeps a higher expert id than the lower-id rule",
       ("tests/test_cpu_math_exhaustive.py", "-k", "selection"), ),
@@ -528,6 +528,13 @@ MUTANTS: list[Mutant] = [
       "  const int nr = n >= N ? N : static_cast<int>(n & ~int64_t{15});\n",
       "a chunk's candidate scans stop at the used elements rounded down to 16, not up: the last elements of a short "
       "row (a router of fewer experts than the chunk, a row's last chunk) are never offered to its top-k",
+      ("tests/test_cpu_math_exhaustive.py", "-k", "selection"), ),
+    M("cpu-sel-candidates-first-bound-too-low", "ops_src/cpu_math.h",
+      "  int64_t last = int64_t(1) << 39;  // above every key: w[j] < 2^31\n",
+      "  int64_t last = int64_t(1) << 31;  // above every key: w[j] < 2^31\n",
+      "the candidate scans start below the largest 64-bit keys (the int key not scaled by the position's 256): the "
+      "keys of large positive scores wrap to the top of the unsigned gaps and are never found, so a top-k takes "
+      "smaller scores",
       ("tests/test_cpu_math_exhaustive.py", "-k", "selection"), ),
     M("cpu-sel-okey-signed-zero", "ops_src/cpu_math.h",
       "  const int32_t k = fkey_bits(a == 0u ? 0u : b);\n",
