@@ -60,7 +60,8 @@ def test_softmax_router_selects_on_the_logit():
 def test_group_pass_is_skipped_when_every_group_is_kept():
     """The router's per-group pass feeds only the group selection, read only as a membership table: with at most
     topk_group groups (n_group = 1) every group is kept whatever its score, so a row marks them all and skips the
-    pass. Every moe_route kernel has the branch; nothing else in the shipped specs qualifies."""
+    pass. Every moe_route kernel has the branch; nothing else in the shipped specs qualifies. The membership reads
+    test all_gsel first, so such a row loads no table byte per element."""
     for path in sorted((ROOT / "specs").glob("*.yaml")):
         src = cpu_source(derive(load_spec(path)), "x_cpu.h")
         bodies = _row_loop_bodies(src)
@@ -68,10 +69,12 @@ def test_group_pass_is_skipped_when_every_group_is_kept():
             assert "std::memset(mem_" not in src, path.stem
             continue
         for body in bodies:
-            head = "if (ex_g <= K_gsel) {\n      std::memset(mem_gsel, 1, static_cast<size_t>(ex_g));\n    } else {"
+            head = ("const bool all_gsel = ex_g <= K_gsel;  // its table all ones\n    if (all_gsel) {\n"
+                    "      std::memset(mem_gsel, 1, static_cast<size_t>(ex_g));\n    } else {")
             assert head in body
             rest = body.split(head, 1)[1]
             assert rest.index("rf::sel_mark(mem_gsel") < rest.index("// ---- pass")  # the pass in the else branch
+            assert "(all_gsel || rf::sel_member(mem_gsel, ex_g, el_group[jj]))" in rest
 
 
 def test_selections_insert_only_candidates():
@@ -86,7 +89,8 @@ def test_selections_insert_only_candidates():
         assert re.search(r"rf::sel_offers<16>\(elk_gtop \+ j0, el_ok \+ j0, els_gtop\d+ \+ j0, bar_gtop,", body)
         assert "bar_gtop[ix_g] = oo[K_gtop - 1] ? rf::sel_okey(kk[K_gtop - 1])" in body
         assert "rf::sel_mark(mem_gsel, ex_g, st_gsel_idx, st_gsel_ok, K_gsel);" in body
-        assert re.search(r"elo_sel\d+\[jj\] = el_ok\[jj\] & \(rf::sel_member\(mem_gsel, ex_g, el_group\[jj\]\)\);", body)
+        assert re.search(r"elo_sel\d+\[jj\] = el_ok\[jj\] & \(\(all_gsel \|\| rf::sel_member\(mem_gsel, ex_g, "
+                         r"el_group\[jj\]\)\)\);", body)
         assert "sel_has" not in body
 
 

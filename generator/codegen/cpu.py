@@ -311,7 +311,9 @@ class _Kernel:
             sel, _ = str(e.args[1].label).split(".", 1)
             if sel in self.members:
                 over = self.ir.reduction(sel).over
-                return f"rf::sel_member(mem_{sel}, ex_{over}, {self.pr(e.args[0])})"
+                member = f"rf::sel_member(mem_{sel}, ex_{over}, {self.pr(e.args[0])})"
+                # a table of all ones (its pass skipped): no load per element (the loop is unswitched on all_)
+                return f"(all_{sel} || {member})" if sel in self.skipped_sels() else member
             f = self.sels[sel]
             off = self.free_offset(f)
             return f"rf::sel_has(st_{sel}_idx + {off}, st_{sel}_ok + {off}, K_{sel}, {self.pr(e.args[0])})"
@@ -586,6 +588,10 @@ class _Kernel:
                 skips[p.number] = resident
         return skips
 
+    def skipped_sels(self) -> set[str]:
+        """The selections whose pass a row skips when their index's extent is at most their k (skippable_passes)."""
+        return {f.name for full in self.skips.values() for f in full}
+
     def value_read(self, name: str) -> bool:
         """Whether any expression of the kernel (terms, wheres, payloads, lets, outputs) reads selection name's keys."""
         return any(str(b.label) == f"{name}.value" for _, x in self.exprs for b in x.atoms(sp.IndexedBase))
@@ -721,7 +727,9 @@ class _Kernel:
         full = self.skips.get(number)
         if full:  # every index kept whatever the keys (skippable_passes): the pass is not needed
             over = {f.name: self.ir.reduction(f.name).over for f in full}
-            self.block(f"if ({' && '.join(f'ex_{over[f.name]} <= K_{f.name}' for f in full)})")
+            for f in full:
+                self.emit(f"const bool all_{f.name} = ex_{over[f.name]} <= K_{f.name};  // its table all ones")
+            self.block(f"if ({' && '.join(f'all_{f.name}' for f in full)})")
             for f in full:
                 self.emit(f"std::memset(mem_{f.name}, 1, static_cast<size_t>(ex_{over[f.name]}));")
             self.end("} else {")

@@ -548,6 +548,12 @@ MUTANTS: list[Mutant] = [
       "a per-group selection's bar follows its best entry instead of its last: elements that would displace the "
       "second of a group's two best keys (DeepSeek-V3's group score) are never offered",
       ("tests/test_moe_route.py", *NOSLOW), ),
+    M("cpu-all-members-test-inverted", "generator/codegen/cpu.py",
+      'return f"(all_{sel} || {member})" if sel in self.skipped_sels() else member',
+      'return f"(!all_{sel} || {member})" if sel in self.skipped_sels() else member',
+      "the short-cut of a membership table that is all ones is inverted: with groups (n_group > topk_group) every "
+      "expert counts as in a kept group, so the top-k ignores the group limit",
+      ("tests/test_moe_route.py", *NOSLOW), ),
     M("cpu-sel-mark-positions", "ops_src/cpu_math.h",
       "    if (ok[r] && idx[r] >= 0 && idx[r] < n) mem[idx[r]] = 1;\n",
       "    if (ok[r] && idx[r] >= 0 && idx[r] < n) mem[r] = 1;\n",
@@ -579,8 +585,8 @@ MUTANTS: list[Mutant] = [
       "score before): a softmax router's weights are logits",
       ("tests/test_moe_route.py", *NOSLOW), ),
     M("cpu-skip-pass-when-groups-cut", "generator/codegen/cpu.py",
-      "f'ex_{over[f.name]} <= K_{f.name}'",
-      "f'ex_{over[f.name]} <= 2 * K_{f.name}'",
+      "all_{f.name} = ex_{over[f.name]} <= K_{f.name};",
+      "all_{f.name} = ex_{over[f.name]} <= 2 * K_{f.name};",
       "a row skips the per-group pass and keeps every group while n_group is up to twice topk_group: DeepSeek-V3's "
       "8 groups, 4 kept, route to experts of the cut groups",
       ("tests/test_moe_route.py", *NOSLOW), ),
