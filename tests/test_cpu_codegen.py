@@ -44,6 +44,27 @@ def test_selection_keys_computed_in_a_branch_free_loop():
     assert "byv_sel" not in case1  # bias[e] + score is not increasing in x: selected on the key
 
 
+def test_rows_of_a_run_share_the_first_rows_flags_where_only_keys_are_read():
+    """MLA decode: the mask (j < cache_seqlens[b]) and the page (block_table[b, j / 64]) read only b, the run's key,
+    and the element, so a later head of the run copies the first head's flags and lets instead of computing them
+    again. Causal attention's mask reads the query position: every row computes its own; a kernel without a mask
+    and without early lets has nothing to share."""
+    mla = _block_loop_bodies(cpu_source(derive(load_spec(ROOT / "specs" / "mla_decode.yaml")), "mla_decode_cpu.h"))
+    assert len(mla) == 2  # non-causal, causal (its mask reads t: the query rows of a sequence differ)
+    assert "a later row of the run" not in mla[1] and "ix_t" in mla[1].split("const bool ok = ", 1)[1].split(";")[0]
+    for body in mla[:1]:
+        shared = ("if (rb > r0) {\n"
+                  "            std::memcpy(el_ok, bel_ok + r0 * 128, static_cast<size_t>(cn) * sizeof(*el_ok));\n"
+                  "            std::memcpy(el_page, bel_page + r0 * 128, static_cast<size_t>(cn) * sizeof(*el_page));\n")
+        assert shared in body
+        rest = body.split(shared, 1)[1]
+        assert rest.index("row_sees[rb] = row_sees[r0];\n            continue;") < rest.index("el_page[jj] = rf::ld(")
+    for spec in ("fused_attention", "sliding_window_attention", "fp8_quant_gemm"):
+        src = cpu_source(derive(load_spec(ROOT / "specs" / f"{spec}.yaml")), "x_cpu.h")
+        assert "static void blocks_case" in src
+        assert "a later row of the run" not in src, spec
+
+
 def test_softmax_router_selects_on_the_logit():
     """Softmax without a bias (the key exp(x - m) / z, strictly increasing in x): where m is finite and 1 / z finite
     and positive, the row's chunk keys are the logits themselves and the score is computed only for an entry that

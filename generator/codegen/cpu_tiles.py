@@ -170,6 +170,39 @@ def block_plan(k) -> BlockPlan | None:
     return BlockPlan(sums, folds, keys, order, late)
 
 
+def _run_shared_lets(k) -> list[str] | None:
+    """The element lets a block's first per-row loop writes (mask_and_early_lets: the mask's lets, the early lets
+    and, under a mask, the others' mask values), where that loop's results are the same for every row of a run:
+    the mask and those lets, with the element lets they read expanded, depend on no row index except through the
+    run's keys (replaced by placeholders) or through a row let of key indices that are keys themselves (MLA's
+    cache_seqlens[b] and page block_table[b, j / 64], b the key: 128 heads computed them again per chunk, ~7 % of
+    the op). None where some row may differ (a causal mask reads the query position), and where the loop computes
+    nothing (no mask, no early let: it only sets the flags)."""
+    ir, plan = k.ir, k.plan
+    rows = set(ir.rows)
+    element = {let.symbol: let for let in ir.element_lets}
+    first = k.mask_lets()
+    lets = [x for x in k.sorted_element_lets() if x.name in first or
+            (x.name not in plan.late or ir.mask not in (sp.true, True))]
+    written = [x for x in lets if x.name in first or x.name not in plan.late]  # computed in the loop
+
+    def expand(e: sp.Basic) -> sp.Basic:
+        subs = {sym: expand(element[sym].expr) for sym in e.free_symbols if sym in element}
+        return e.xreplace(subs) if subs else e
+
+    if ir.mask in (sp.true, True) and not written:  # the loop only sets every flag: nothing to share
+        return None
+    exprs = [sp.sympify(ir.mask)] + [x.expr for x in written]
+    if not all(isinstance(e, sp.Basic) for e in exprs) or any(e.atoms(sp.Sum) for e in exprs):
+        return None
+    marks = {key: sp.Dummy(f"key{n}") for n, key in enumerate(plan.keys)}
+    bare = {str(key) for key in plan.keys if isinstance(key, sp.Symbol) and str(key) in rows}
+    for e in exprs:
+        if (k.index_deps(expand(e).xreplace(marks)) & rows) - bare:
+            return None
+    return [x.name for x in lets]
+
+
 def _deps(k, keys: list) -> set:
     return set().union(*[k.index_deps(x) for x in keys]) if keys else set()
 
@@ -495,6 +528,17 @@ def emit_blocked(k, head: str) -> str:
                 k.block("if (c0 >= rvis_lo[rb] && c0 + cn <= rvis_hi[rb])")
                 k.emit("std::memset(el_ok, 1, static_cast<size_t>(cn));")
                 k.emit("row_sees[rb] = cn > 0;")
+                k.emit("continue;")
+                k.end()
+            shared = _run_shared_lets(k)
+            if shared is not None:
+                k.emit("// a later row of the run: the mask and the lets above read only the run's keys and the "
+                       "element, so its flags and lets are the first row's")
+                k.block("if (rb > r0)")
+                for name in ["ok", *shared]:
+                    k.emit(f"std::memcpy(el_{name}, bel_{name} + r0 * {ch}, static_cast<size_t>(cn) * "
+                           f"sizeof(*el_{name}));")
+                k.emit("row_sees[rb] = row_sees[r0];")
                 k.emit("continue;")
                 k.end()
             k.block("for (int64_t jj = 0; jj < cn; ++jj)")

@@ -554,6 +554,12 @@ MUTANTS: list[Mutant] = [
       "the short-cut of a membership table that is all ones is inverted: with groups (n_group > topk_group) every "
       "expert counts as in a kept group, so the top-k ignores the group limit",
       ("tests/test_moe_route.py", *NOSLOW), ),
+    M("tiles-run-shares-flags-without-mask", "generator/codegen/cpu_tiles.py",
+      "    exprs = [sp.sympify(ir.mask)] + [x.expr for x in written]\n",
+      "    exprs = [x.expr for x in written]\n",
+      "the rows of a run share the first row's mask flags without the mask being checked for row indices: the "
+      "query rows of one head in causal attention all see the first row's keys",
+      (*ATTN[:1], "-k", "causal and not opcheck and not compile"), ),
     M("cpu-sel-mark-positions", "ops_src/cpu_math.h",
       "    if (ok[r] && idx[r] >= 0 && idx[r] < n) mem[idx[r]] = 1;\n",
       "    if (ok[r] && idx[r] >= 0 && idx[r] < n) mem[r] = 1;\n",
