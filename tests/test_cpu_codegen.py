@@ -378,9 +378,20 @@ def test_lane_loops_stay_loops_until_vectorised():
     """Every LANES-wide loop of a branch-free reduction carries `#pragma GCC unroll 1`: unrolled before the
     vectoriser saw it, gcc 12 vectorised the loop over lane groups instead, across lanes, with a transpose per
     group (the cross-entropy kernel 35-40 % slower than with the pragma)."""
-    for spec in ("softmax_cross_entropy", "logsumexp", "row_softmax", "moe_route"):
+    for spec in ("softmax_cross_entropy", "logsumexp", "moe_route"):
         src = cpu_source(derive(load_spec(ROOT / "specs" / f"{spec}.yaml")), "x_cpu.h")
         heads = re.findall(r"for \(; jl \+ 16 <= cn; jl \+= 16\) \{\n(.*)\n(.*)\n", src)
         assert heads, spec
         for pragma, loop in heads:
             assert pragma.strip() == "#pragma GCC unroll 1" and loop.strip() == "for (int u = 0; u < 16; ++u) {", spec
+
+
+def test_kept_terms_are_summed_by_exp_sum():
+    """row_softmax keeps each chunk's terms exp(y - m_c) for its output (TermCache): the exponents are written
+    where the terms are kept and rf::exp_sum turns them into the terms in place and sums them, with no lane loop
+    (whose 16 partial sums lived in a stack array)."""
+    src = cpu_source(derive(load_spec(ROOT / "specs" / "row_softmax.yaml")), "row_softmax_cpu.h")
+    for body in _row_loop_bodies(src):
+        assert "tcrow[(tc_n ? c0 : 0) + jj] = (el_y[jj] + (-1.0f * st_m_new_safe));" in body
+        assert "acc2 = acc2 + rf::exp_sum(tcrow + (tc_n ? c0 : 0), cn);" in body
+        assert "jl + 16 <= cn" not in body

@@ -1146,6 +1146,7 @@ class _Kernel:
             keyed = {"max": "hi", "min": "lo"}
             # folds done by a helper over a whole buffer of the chunk instead (direct_folds)
             direct = self.direct_folds(forms, reuse)
+            direct.update(self.kept_exp_sum(forms, reuse, direct))
             for f in forms:
                 acc = self.fresh("acc")
                 accs[f.name] = acc
@@ -1192,6 +1193,24 @@ class _Kernel:
             elif f.op == "max" and (buf := self.let_buffer(f.term)) is not None:
                 out[f.name] = f"rf::max_of({buf}, cn)"
         return out
+
+    def kept_exp_sum(self, forms: list[ReductionForm], reuse: dict[str, str], direct: dict[str, str]) -> dict[str, str]:
+        """The term cache's sum (TermCache) where its term is exp(x), x branch-free: x for the chunk written where
+        the terms are kept (the row's slots of the chunk), then rf::exp_sum there, the exp in place and their sum
+        in the lane loop's order ({form: its C++ value}, with direct_folds'). The generated lane loop kept its 16
+        partial sums in a stack array, so each step waited on the last one's store (a row softmax: ~20 % of it)."""
+        tc = self.tcache
+        f = next((g for g in forms if tc is not None and g.name == tc.form), None)
+        if f is None or f.op != "sum" or f.name in reuse or f.name in direct or not isinstance(f.term, sp.exp) \
+                or not self.branch_free(f.term.args[0]):
+            return {}
+        ir = self.ir
+        self.block("for (int64_t jj = 0; jj < cn; ++jj)")
+        self.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
+        self.emit(f"(void)ix_{ir.over};")
+        self.emit(f"tcrow[(tc_n ? c0 : 0) + jj] = {self.pr.flt(f.term.args[0])};  // the exponent, exp in place below")
+        self.end()
+        return {f.name: "rf::exp_sum(tcrow + (tc_n ? c0 : 0), cn)"}
 
     def let_buffer(self, e: sp.Basic) -> str | None:
         """The chunk buffer of an element let's values (el_<name>) where e is that let's symbol, else None."""

@@ -560,6 +560,12 @@ MUTANTS: list[Mutant] = [
       "the rows of a run share the first row's mask flags without the mask being checked for row indices: the "
       "query rows of one head in causal attention all see the first row's keys",
       (*ATTN[:1], "-k", "causal and not opcheck and not compile"), ),
+    M("cpu-kept-exp-sum-term-not-exponent", "generator/codegen/cpu.py",
+      'self.emit(f"tcrow[(tc_n ? c0 : 0) + jj] = {self.pr.flt(f.term.args[0])};  // the exponent, exp in place below")',
+      'self.emit(f"tcrow[(tc_n ? c0 : 0) + jj] = {self.pr.flt(f.term)};  // the exponent, exp in place below")',
+      "the kept terms' buffer gets the term exp(y - m) instead of its exponent before rf::exp_sum: every softmax "
+      "probability comes out of exp applied twice",
+      ("tests/test_per_element_outputs.py",), ),
     M("cpu-sel-mark-positions", "ops_src/cpu_math.h",
       "    if (ok[r] && idx[r] >= 0 && idx[r] < n) mem[idx[r]] = 1;\n",
       "    if (ok[r] && idx[r] >= 0 && idx[r] < n) mem[r] = 1;\n",
