@@ -247,6 +247,26 @@ def test_attention_contraction_and_weighted_sum_are_gemm_tiles():
         assert body.index("st_o[r] = st_o[r] * cr_o") < body.index("rf::gemm_tile_panels(r1 - r0, nt, cn")
 
 
+def test_attention_query_rows_are_read_in_their_dtype():
+    from generator.codegen.cpu import native_inputs
+
+    op = derive(load_spec(ROOT / "specs" / "fused_attention.yaml"))
+    # q (the contraction's row factor) is read in its own dtype like k and v: no float32 copy of it in the glue
+    assert native_inputs(op) == {"q", "k", "v"}
+    src = cpu_source(op, "fused_attention_cpu.h")
+    assert "const T_q* __restrict__ t_q = static_cast<const T_q*>(A.t_q);" in src
+    for body in _block_loop_bodies(src):
+        # a long run on bf16 pairs takes the row's bits as its pair words; otherwise the row is widened into its
+        # buffer (the float tiles and short runs read it) and, for pairs, rounded back
+        q = "t_q[(ix_b) * st_q[0] + (ix_i) * st_q[1] + (ix_h) * st_q[2] + "
+        raw = re.search(r"if \(std::is_same<T_q, rf::bf16_t>::value && (pk\d+)_bf && r1 - r0 > 32\) \{\n.*\n\s+"
+                        rf"std::memcpy\(\1a \+ rb \* \(ex_c / 2\), &{re.escape(q)}\(int64_t\(0\)\)\], "
+                        r"ex_c \* sizeof\(T_q\)\);\n\s+\} else \{\n\s+for \(int64_t ix_c = 0; ix_c < ex_c; \+\+ix_c\) "
+                        rf"(rowbuf\d+)\[ix_c\] = rf::ld\({re.escape(q)}\(ix_c\)\]\);\n\s+"
+                        r"if \(\1_bf && r1 - r0 > 32\) rf::pairs_from_floats\(1, ex_c, \2, ", body)
+        assert raw, body[:3000]
+
+
 def test_mask_bounds_give_each_row_its_range_of_the_streamed_index():
     """visible_bounds: conjuncts linear in j with an integer other side bound a row's range (a window's lower end,
     a tensor's length); a conjunct on an element let is left out (it can only hide more)."""

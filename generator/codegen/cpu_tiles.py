@@ -500,14 +500,7 @@ def emit_blocked(k, head: str) -> str:
         chunks = f"for (int64_t c0 = 0; c0 < ex_{ir.over}; c0 += {ch})"
     _per_row(k)
     for buf, fac, c, key in k.hoist_fill:
-        saved = k.hoisted.pop(key)
-        k.emit(f"for (int64_t ix_{c.name} = 0; ix_{c.name} < ex_{c.name}; ++ix_{c.name}) "
-               f"{buf}[ix_{c.name}] = {k.pr.flt(fac)};")
-        k.hoisted[key] = saved
-        for g in plan.sums:
-            if g.key == key and pairs_sum(k, g):
-                k.emit(f"if ({g.pack}_bf) rf::pairs_from_floats(1, ex_{c.name}, {buf}, ex_{c.name}, "
-                       f"{g.pack}a + rb * (ex_{c.name} / 2), ex_{c.name} / 2);")
+        _fill_row_factor(k, buf, fac, c, key)
     k.end()
     done: list = []
     for i, p in enumerate(a.passes):
@@ -676,6 +669,37 @@ def _first_row(k, flags: str, cond: str = "true") -> None:
     first = f"frow_{flags}[jj]"
     none = f"{first} < 0" if cond == "true" else f"!({cond}) || {first} < 0"  # (past cn: not read)
     k.emit(f"const int64_t rs = {none} ? -1 : r0 + {first};")
+
+
+def _fill_row_factor(k, buf: str, fac: sp.Indexed, c: sp.Symbol, key: tuple) -> None:
+    """One row's hoisted contraction factor (the q row of q . k) widened into its row buffer, and the pairs of
+    the tiles on bf16 pairs (used by runs of more than NT_RUN rows only). Where such a tile reads the factor as a
+    bf16 input contiguous along c, a long run's pairs are that row's bits as they are (element 2p in a word's low
+    half: little-endian memory order), and the row buffer, which only the float tiles and short runs read, is not
+    filled (the widening and the rounding back were ~20 % of bf16 attention's block function)."""
+    cn = c.name
+    pairs = [g for g in k.plan.sums if g.key == key and pairs_sum(k, g)]
+    saved = k.hoisted.pop(key)
+    widen = (f"for (int64_t ix_{cn} = 0; ix_{cn} < ex_{cn}; ++ix_{cn}) "
+             f"{buf}[ix_{cn}] = {k.pr.flt(fac)};")
+    k.hoisted[key] = saved
+    name = str(fac.base.label)
+    if pairs and name in k.native and _unit_last(k, fac, c):
+        g = pairs[0]
+        first = tuple(sp.Integer(0) if i == c else i for i in fac.indices)
+        k.block(f"if (std::is_same<{k.types[name]}, rf::bf16_t>::value && {g.pack}_bf && r1 - r0 > {NT_RUN})")
+        k.emit("// a long run on bf16 pairs: the row's words are its bf16 bits as they are")
+        for h in pairs:
+            k.emit(f"std::memcpy({h.pack}a + rb * (ex_{cn} / 2), &{k.tensor_element(name, first)}, "
+                   f"ex_{cn} * sizeof({k.types[name]}));")
+        k.end("} else {")
+        k.ind += 1
+    k.emit(widen)
+    for g in pairs:
+        k.emit(f"if ({g.pack}_bf && r1 - r0 > {NT_RUN}) rf::pairs_from_floats(1, ex_{cn}, {buf}, ex_{cn}, "
+               f"{g.pack}a + rb * (ex_{cn} / 2), ex_{cn} / 2);")
+    if pairs and name in k.native and _unit_last(k, fac, c):
+        k.end()
 
 
 def _pack_sum(k, g: GemmSum) -> None:

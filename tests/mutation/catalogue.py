@@ -337,10 +337,22 @@ MUTANTS: list[Mutant] = [
       ("tests/test_cpu_math_exhaustive.py", "-k", "x86"), ),
     # the bf16 pair tiles run only on a CPU with AVX512_BF16: elsewhere these four survive (the float tiles run)
     M("cpu-math-bf16-pairs-odd-tail-dropped", "ops_src/cpu_math.h",
-      "    for (int64_t k = 0; k < K; ++k) d[k] = float_to_bf16(s[k]);\n",
-      "    for (int64_t k = 0; k < K / 2 * 2; ++k) d[k] = float_to_bf16(s[k]);\n",
+      "      _mm512_mask_storeu_epi16(d + k, __mmask32((1ull << r) - 1u), v);\n",
+      "      _mm512_mask_storeu_epi16(d + k, __mmask32((1ull << (r / 2 * 2)) - 1u), v);\n",
       "the bf16 pairs of a fold's weights leave the last pair unwritten where a chunk has an odd number of elements: "
       "the last key of a tail is weighted by a stale value (AVX512_BF16 CPUs)",
+      ATTN, ),
+    M("cpu-math-bf16-pairs-halves-swapped", "ops_src/cpu_math.h",
+      "      _mm512_storeu_si512(d + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + k + 16), _mm512_loadu_ps(s + k)));\n",
+      "      _mm512_storeu_si512(d + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + k), _mm512_loadu_ps(s + k + 16)));\n",
+      "the vector rounding to bf16 pairs puts each 32 floats' second 16 first: a fold's weights and a query row's "
+      "pairs are multiplied with the wrong keys' values and channels (AVX512_BF16 CPUs)",
+      ATTN, ),
+    M("tiles-raw-query-pairs-half-row", "generator/codegen/cpu_tiles.py",
+      'f"ex_{cn} * sizeof({k.types[name]}));")',
+      'f"ex_{cn} / 2 * sizeof({k.types[name]}));")',
+      "a long run's bf16 query rows are taken as pair words for only their first half of channels: the rest of "
+      "each row's pairs are stale (AVX512_BF16 CPUs)",
       ATTN, ),
     M("tiles-pair-scores-first-run-rows", "generator/codegen/cpu_tiles.py",
       'f"rf::gemm_tile_bf16(r1 - r0, {ch}, ex_{c} / 2, {g.pack}a + r0 * (ex_{c} / 2), ex_{c} / 2, "',
