@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from generator.codegen.cpu import cpu_source
-from generator.codegen.cpu_tiles import SCHUNK, SCHUNK_OPEN
+from generator.codegen.cpu_tiles import NT_RUN, PAIR_RUN, SCHUNK, SCHUNK_OPEN
 from generator.spec import load_spec, parse_spec
 from generator.symbolic import derive
 
@@ -256,15 +256,19 @@ def test_attention_query_rows_are_read_in_their_dtype():
     src = cpu_source(op, "fused_attention_cpu.h")
     assert "const T_q* __restrict__ t_q = static_cast<const T_q*>(A.t_q);" in src
     for body in _block_loop_bodies(src):
-        # a long run on bf16 pairs takes the row's bits as its pair words; otherwise the row is widened into its
-        # buffer (the float tiles and short runs read it) and, for pairs, rounded back
+        # a run of PAIR_RUN rows or more on bf16 pairs takes the row's bits as its pair words; otherwise the row is
+        # widened into its buffer (the float tiles and shorter runs read it) and, for pairs, rounded back
         q = "t_q[(ix_b) * st_q[0] + (ix_i) * st_q[1] + (ix_h) * st_q[2] + "
-        raw = re.search(r"if \(std::is_same<T_q, rf::bf16_t>::value && (pk\d+)_bf && r1 - r0 > 32\) \{\n.*\n\s+"
+        raw = re.search(rf"if \(std::is_same<T_q, rf::bf16_t>::value && (pk\d+)_bf && r1 - r0 >= {PAIR_RUN}\) \{{\n.*\n\s+"
                         rf"std::memcpy\(\1a \+ rb \* \(ex_c / 2\), &{re.escape(q)}\(int64_t\(0\)\)\], "
                         r"ex_c \* sizeof\(T_q\)\);\n\s+\} else \{\n\s+for \(int64_t ix_c = 0; ix_c < ex_c; \+\+ix_c\) "
                         rf"(rowbuf\d+)\[ix_c\] = rf::ld\({re.escape(q)}\(ix_c\)\]\);\n\s+"
-                        r"if \(\1_bf && r1 - r0 > 32\) rf::pairs_from_floats\(1, ex_c, \2, ", body)
+                        rf"if \(\1_bf && r1 - r0 >= {PAIR_RUN}\) rf::pairs_from_floats\(1, ex_c, \2, ", body)
         assert raw, body[:3000]
+        # the tile is on pairs under the same condition (a run of 8 to 32 rows too: not the widened NT tile)
+        pk = raw.group(1)
+        assert f"if (r1 - r0 <= {NT_RUN} && !({pk}_bf && r1 - r0 >= {PAIR_RUN})) {{" in body
+        assert f"if ({pk}_bf && r1 - r0 >= {PAIR_RUN}) {{" in body
 
 
 def test_mask_bounds_give_each_row_its_range_of_the_streamed_index():

@@ -36,6 +36,10 @@ from .cpp import let_type
 RBLK = 128  # most rows of one block (the M side of the GEMM tiles)
 SHARE_ROWS = 32  # blocks smaller than this are not split in two per thread (block_dispatch)
 NT_RUN = 32  # runs of at most this many rows take a contraction's rows unpacked, in the NT tile
+# ... except on bf16 pairs, which runs of at least this many rows take (transposing the tile into pair words pays
+# for itself at the pair tile's twice the rate; 1 thread, AMD EPYC, MLA decode B4 ctx4096: Hq16 7.6-7.9 -> 5.7-5.9
+# ms, Hq8 5.6 -> 5.2 ms, Hq4 even, Hq2 5 % slower)
+PAIR_RUN = 8
 NTILE = 256  # columns of a free index per packed tile of a GEMM fold
 MEMO_BYTES = 1 << 22  # most bytes of packed tiles one tile site keeps per call (rf::TileMemo)
 WCHUNK = 256  # the chunk of block kernels with an NT fold (block_chunk)
@@ -671,11 +675,17 @@ def _first_row(k, flags: str, cond: str = "true") -> None:
     k.emit(f"const int64_t rs = {none} ? -1 : r0 + {first};")
 
 
+def _pair_run(g: GemmSum) -> str:
+    """The condition under which a run's contraction tile is on bf16 pairs (the one place that decides it: the
+    row factor's pairs are filled under it and the tile reads them under it)."""
+    return f"{g.pack}_bf && r1 - r0 >= {PAIR_RUN}"
+
+
 def _fill_row_factor(k, buf: str, fac: sp.Indexed, c: sp.Symbol, key: tuple) -> None:
     """One row's hoisted contraction factor (the q row of q . k) widened into its row buffer, and the pairs of
-    the tiles on bf16 pairs (used by runs of more than NT_RUN rows only). Where such a tile reads the factor as a
-    bf16 input contiguous along c, a long run's pairs are that row's bits as they are (element 2p in a word's low
-    half: little-endian memory order), and the row buffer, which only the float tiles and short runs read, is not
+    the tiles on bf16 pairs (used by runs of PAIR_RUN rows or more only). Where such a tile reads the factor as a
+    bf16 input contiguous along c, such a run's pairs are that row's bits as they are (element 2p in a word's low
+    half: little-endian memory order), and the row buffer, which only the float tiles and shorter runs read, is not
     filled (the widening and the rounding back were ~20 % of bf16 attention's block function)."""
     cn = c.name
     pairs = [g for g in k.plan.sums if g.key == key and pairs_sum(k, g)]
@@ -687,8 +697,8 @@ def _fill_row_factor(k, buf: str, fac: sp.Indexed, c: sp.Symbol, key: tuple) -> 
     if pairs and name in k.native and _unit_last(k, fac, c):
         g = pairs[0]
         first = tuple(sp.Integer(0) if i == c else i for i in fac.indices)
-        k.block(f"if (std::is_same<{k.types[name]}, rf::bf16_t>::value && {g.pack}_bf && r1 - r0 > {NT_RUN})")
-        k.emit("// a long run on bf16 pairs: the row's words are its bf16 bits as they are")
+        k.block(f"if (std::is_same<{k.types[name]}, rf::bf16_t>::value && {_pair_run(g)})")
+        k.emit("// a run on bf16 pairs: the row's words are its bf16 bits as they are")
         for h in pairs:
             k.emit(f"std::memcpy({h.pack}a + rb * (ex_{cn} / 2), &{k.tensor_element(name, first)}, "
                    f"ex_{cn} * sizeof({k.types[name]}));")
@@ -696,7 +706,7 @@ def _fill_row_factor(k, buf: str, fac: sp.Indexed, c: sp.Symbol, key: tuple) -> 
         k.ind += 1
     k.emit(widen)
     for g in pairs:
-        k.emit(f"if ({g.pack}_bf && r1 - r0 > {NT_RUN}) rf::pairs_from_floats(1, ex_{cn}, {buf}, ex_{cn}, "
+        k.emit(f"if ({_pair_run(g)}) rf::pairs_from_floats(1, ex_{cn}, {buf}, ex_{cn}, "
                f"{g.pack}a + rb * (ex_{cn} / 2), ex_{cn} / 2);")
     if pairs and name in k.native and _unit_last(k, fac, c):
         k.end()
@@ -727,9 +737,10 @@ def _pack_sum(k, g: GemmSum) -> None:
         first = tuple(sp.Integer(0) if i == g.c else i for i in g.elem.indices)
         _each_element(k, f"{g.pack}_rows[jj] = {g.pack}_zero_v.data(); {g.pack}_real[jj] = 0;",
                       f"{g.pack}_rows[jj] = &{k.tensor_element(name, first)}; {g.pack}_real[jj] = 1;")
-        k.block(f"if (r1 - r0 <= {NT_RUN})")
+        pairs = pairs_sum(k, g)
+        k.block(f"if (r1 - r0 <= {NT_RUN}" + (f" && !({_pair_run(g)}))" if pairs else ")"))
         k.emit("// a short run (decode heads): the rows as they are, widened, and the NT tile: a transpose per tile "
-               "costs as much as the GEMM at so few rows")
+               "costs as much as the GEMM at so few rows" + (" (on bf16 pairs, at fewer than PAIR_RUN)" if pairs else ""))
         k.emit(f"for (int64_t jj = 0; jj < {ch}; ++jj) for (int64_t ix_{c} = 0; ix_{c} < ex_{c}; ++ix_{c}) "
                f"{g.pack}[jj * ex_{c} + ix_{c}] = rf::ld({g.pack}_rows[jj][ix_{c}]);")
         k.emit(f"rf::gemm_tile_nt(r1 - r0, {ch}, ex_{c}, b{buf} + r0 * ex_{c}, ex_{c}, {g.pack}, ex_{c}, "
@@ -737,9 +748,8 @@ def _pack_sum(k, g: GemmSum) -> None:
         k.end("} else {")
         k.ind += 1
         _memo_find(k, g.pack, 1)
-        pairs = pairs_sum(k, g)
         if pairs:
-            k.block(f"if ({g.pack}_bf)")
+            k.block(f"if ({_pair_run(g)})")
             k.emit("// bf16 pairs: the rows read as words of two c, transposed into the [c / 2][element] tile")
             k.block("if (!hit)")
             k.emit(f"for (int64_t jj = 0; jj < {ch}; ++jj) "

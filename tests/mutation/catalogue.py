@@ -354,6 +354,12 @@ MUTANTS: list[Mutant] = [
       "a long run's bf16 query rows are taken as pair words for only their first half of channels: the rest of "
       "each row's pairs are stale (AVX512_BF16 CPUs)",
       ATTN, ),
+    M("tiles-pair-run-tile-threshold", "generator/codegen/cpu_tiles.py",
+      'k.block(f"if ({_pair_run(g)})")',
+      'k.block(f"if ({g.pack}_bf && r1 - r0 > {NT_RUN})")',
+      "runs of 8 to 32 rows on bf16 pairs (decode heads of a GQA group, MLA's 16 heads) take the float tile, whose "
+      "row buffer their pairs' fill skipped: their scores come from stale query rows (AVX512_BF16 CPUs)",
+      ("tests/test_mla_decode.py", "tests/test_fused_attention.py", *NOSLOW), ),
     M("tiles-pair-scores-first-run-rows", "generator/codegen/cpu_tiles.py",
       'f"rf::gemm_tile_bf16(r1 - r0, {ch}, ex_{c} / 2, {g.pack}a + r0 * (ex_{c} / 2), ex_{c} / 2, "',
       'f"rf::gemm_tile_bf16(r1 - r0, {ch}, ex_{c} / 2, {g.pack}a, ex_{c} / 2, "',
