@@ -1007,9 +1007,10 @@ inline void pairs_from_floats_lanes(int64_t M, int64_t K, const float* src, int6
 // times the other factor.
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) inline void pairs_from_floats_bf16(
     int64_t M, int64_t K, const float* src, int64_t lds, uint32_t* __restrict__ dst, int64_t ldd) {
+  typedef uint16_t __attribute__((may_alias)) half_word;  // the words' halves (the storage is uint32_t)
   for (int64_t m = 0; m < M; ++m) {
     const float* s = src + m * lds;
-    uint16_t* d = reinterpret_cast<uint16_t*>(dst + m * ldd);
+    half_word* d = reinterpret_cast<half_word*>(dst + m * ldd);
     int64_t k = 0;
     for (; k + 32 <= K; k += 32)
       _mm512_storeu_si512(d + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + k + 16), _mm512_loadu_ps(s + k)));
