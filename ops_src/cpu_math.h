@@ -1005,6 +1005,11 @@ inline void pairs_from_floats_lanes(int64_t M, int64_t K, const float* src, int6
 // takes subnormal inputs and results as 0), where the loop gives a subnormal bf16 or, from just below, 2^-126.
 // vdpbf16ps takes a subnormal bf16 as 0 as well, so a pair product differs only by the last case, at most 2^-126
 // times the other factor.
+// the lane masks of the first n (<= 32) of 32 floats held in two 16-lane vectors
+inline void halves_mask(int64_t n, __mmask16& lo, __mmask16& hi) {
+  lo = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u);
+  hi = n >= 32 ? __mmask16(0xFFFF) : (n <= 16 ? __mmask16(0) : __mmask16((1u << (n - 16)) - 1u));
+}
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) inline void pairs_from_floats_bf16(
     int64_t M, int64_t K, const float* src, int64_t lds, uint32_t* __restrict__ dst, int64_t ldd) {
   typedef uint16_t __attribute__((may_alias)) half_word;  // the words' halves (the storage is uint32_t)
@@ -1016,8 +1021,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) inline 
       _mm512_storeu_si512(d + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + k + 16), _mm512_loadu_ps(s + k)));
     if (k < K) {
       const int64_t r = K - k;  // 1..31 left
-      const __mmask16 lo = r >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << r) - 1u);
-      const __mmask16 hi = r <= 16 ? __mmask16(0) : __mmask16((1u << (r - 16)) - 1u);
+      __mmask16 lo, hi;
+      halves_mask(r, lo, hi);
       const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, s + k + 16), _mm512_maskz_loadu_ps(lo, s + k));
       _mm512_mask_storeu_epi16(d + k, __mmask32((1ull << r) - 1u), v);
     }
@@ -1072,8 +1077,8 @@ REDFUSER_BF16_TARGET __attribute__((always_inline)) inline void bf16_panel(int64
       c[i][1] = _mm512_dpbf16_ps(c[i][1], (__m512bh)a, (__m512bh)b1);
     }
   }
-  const __mmask16 m0 = nv >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nv) - 1u);
-  const __mmask16 m1 = nv >= 32 ? __mmask16(0xFFFF) : (nv <= 16 ? __mmask16(0) : __mmask16((1u << (nv - 16)) - 1u));
+  __mmask16 m0, m1;
+  halves_mask(nv, m0, m1);
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i) {
     float* cr = C + i * ldc;

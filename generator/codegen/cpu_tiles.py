@@ -694,7 +694,8 @@ def _fill_row_factor(k, buf: str, fac: sp.Indexed, c: sp.Symbol, key: tuple) -> 
              f"{buf}[ix_{cn}] = {k.pr.flt(fac)};")
     k.hoisted[key] = saved
     name = str(fac.base.label)
-    if pairs and name in k.native and _unit_last(k, fac, c):
+    raw = bool(pairs) and name in k.native and _unit_last(k, fac, c)
+    if raw:
         g = pairs[0]
         first = tuple(sp.Integer(0) if i == c else i for i in fac.indices)
         k.block(f"if (std::is_same<{k.types[name]}, rf::bf16_t>::value && {_pair_run(g)})")
@@ -708,7 +709,7 @@ def _fill_row_factor(k, buf: str, fac: sp.Indexed, c: sp.Symbol, key: tuple) -> 
     for g in pairs:
         k.emit(f"if ({_pair_run(g)}) rf::pairs_from_floats(1, ex_{cn}, {buf}, ex_{cn}, "
                f"{g.pack}a + rb * (ex_{cn} / 2), ex_{cn} / 2);")
-    if pairs and name in k.native and _unit_last(k, fac, c):
+    if raw:
         k.end()
 
 
