@@ -6,6 +6,7 @@ redfuser_ops). Writes <out>/results.json (after every case, so a killed run stil
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import gc
 import json
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 
 from . import ROOT, timing
-from .cases import OPS, Case
+from .cases import OPS, Case, Impl
 
 SCHEMA = 1
 STICKY_CUDA_ERRORS = ("illegal memory access", "unspecified launch failure", "device-side assert",
@@ -80,50 +81,82 @@ class Runner:
             return [{**base, "impl": i.name, "status": "error", "error": "inputs: " + _short_error(e)} for i in impls]
         mm_name, mm_rate = timing.matmul_rate_for(ceilings, case.dtype)
         copy_bw = ceilings.get("copy_GBps")
-        for impl in impls:
-            r: dict[str, Any] = {**base, "impl": impl.name, "buffers": n}
+        rows: dict[str, dict[str, Any]] = {}
+        timed: list[Impl] = []
+        for impl in impls:  # each one's result checked first, then the ones that ran timed together
+            r = rows[impl.name] = {**base, "impl": impl.name, "buffers": n}
             if self.aborted or self.remaining() <= 0.5:
                 r.update(status="skipped", error=self.aborted or "time budget spent")
-                results.append(r)
                 continue
             t0 = time.monotonic()
             try:
-                ctx = impl.context() if impl.context else None
-                if ctx is not None:
-                    ctx.__enter__()
-                try:
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        out = impl.fn(*sets[0])
-                        timing.sync(self.device)
-                        r["correct"] = case.check(impl.name, out, sets[0])
-                        del out
-                        t = self.timer(impl.fn, sets)
-                finally:
-                    if ctx is not None:
-                        ctx.__exit__(None, None, None)
-                r.update(status="ok", **t.as_dict())
-                sec = t.median_s
-                r["tflops"] = case.flops / sec / 1e12
-                r["gbps"] = case.bytes / sec / 1e9
-                r["matmul_ceiling"] = mm_name
-                r["frac_matmul"] = r["tflops"] / mm_rate if mm_rate else None
-                r["frac_copy"] = r["gbps"] / copy_bw if copy_bw else None
+                with _entered(impl):
+                    out = impl.fn(*sets[0])
+                    timing.sync(self.device)
+                    r["correct"] = case.check(impl.name, out, sets[0])
+                    del out
+                timed.append(impl)
             except Exception as e:  # noqa: BLE001 - a peer that cannot run is a result, not a crash
-                r.update(status="error", error=_short_error(e))
-                if self.device == "cuda":
-                    if any(s in str(e) for s in STICKY_CUDA_ERRORS):
-                        self.aborted = f"aborted after a CUDA error in {case.name} / {impl.name}"
-                    else:
-                        torch.cuda.empty_cache()
+                self._record_error(r, e, case.name, impl.name)
             r["wall_s"] = round(time.monotonic() - t0, 3)
-            results.append(r)
-            self.log(_line(r))
+        if self.aborted:  # a CUDA error in a check poisoned the context: nothing more runs on it
+            for impl in timed:
+                rows[impl.name].update(status="skipped", error=self.aborted)
+            timed = []
+        t0 = time.monotonic()
+        try:
+            got = self.timer.interleaved([_call_of(impl) for impl in timed], sets,
+                                         [lambda impl=impl: _entered(impl) for impl in timed])
+        except Exception as e:  # noqa: BLE001 - e.g. a CUDA error surfacing at the final synchronize
+            got = [e] * len(timed)
+        wall = (time.monotonic() - t0) / max(1, len(timed))
+        for impl, t in zip(timed, got):
+            r = rows[impl.name]
+            r["wall_s"] = round(r["wall_s"] + wall, 3)
+            if isinstance(t, BaseException):
+                self._record_error(r, t, case.name, impl.name)
+                continue
+            r.update(status="ok", **t.as_dict())
+            sec = t.median_s
+            r["tflops"] = case.flops / sec / 1e12
+            r["gbps"] = case.bytes / sec / 1e9
+            r["matmul_ceiling"] = mm_name
+            r["frac_matmul"] = r["tflops"] / mm_rate if mm_rate else None
+            r["frac_copy"] = r["gbps"] / copy_bw if copy_bw else None
+        for impl in impls:
+            results.append(rows[impl.name])
+            if rows[impl.name]["status"] != "skipped":
+                self.log(_line(rows[impl.name]))
         del sets
         gc.collect()
         if self.device == "cuda" and not self.aborted:
             torch.cuda.empty_cache()
         return results
+
+    def _record_error(self, r: dict[str, Any], e: BaseException, case: str, impl: str) -> None:
+        r.update(status="error", error=_short_error(e))
+        if self.device == "cuda":
+            if any(s in str(e) for s in STICKY_CUDA_ERRORS):
+                self.aborted = f"aborted after a CUDA error in {case} / {impl}"
+            else:
+                torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def _entered(impl: Impl):
+    """`impl`'s context (an SDPA backend, say) around a call, with the benchmark's warnings silenced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if impl.context is None:
+            yield
+        else:
+            with impl.context():
+                yield
+
+
+def _call_of(impl: Impl):
+    """`impl.fn` as a callable of one input set (Timer.interleaved's form)."""
+    return lambda args: impl.fn(*args)
 
 
 def _interrupt(signum, frame) -> None:

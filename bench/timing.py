@@ -5,12 +5,18 @@ several buffer sets whose total size is a few times the last-level cache, so a c
 warm L2 unless its inputs are that small anyway. No CUDA graphs: a peer that launches many small kernels pays
 its launch gaps, as it does in eager code. CPU: time.perf_counter around every call, same structure.
 
+The implementations of one case are timed in rounds (`Timer.interleaved`): each round calls each of them once, so
+that a slower phase of a shared machine (another tenant's burst, a memory bandwidth dip) falls on all of them
+alike rather than on whichever was being timed then. Call c of the whole sequence reads input set c mod n, so each
+call's inputs were last touched n calls before, as when one implementation is timed alone.
+
 Ceilings, measured in the same run: the device copy bandwidth (a large device-to-device copy, bytes read plus
 bytes written) and the dense matmul rate (bf16 on GPU; fp32 and bf16 on CPU) on random data.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
@@ -42,7 +48,8 @@ def _quantile(xs: Sequence[float], q: float) -> float:
 
 
 class Timer:
-    """Times `fn(args)` for args rotating over `arg_sets`."""
+    """Times calls whose inputs rotate over `arg_sets`: one callable alone (`timer(fn, arg_sets)`), or several in
+    rounds (`timer.interleaved`)."""
 
     def __init__(self, device: str, target_s: float = 0.05, min_reps: int = 5, max_reps: int = 200,
                  warmup: int = 2) -> None:
@@ -53,51 +60,78 @@ class Timer:
         self.warmup = warmup
 
     def __call__(self, fn: Callable[..., Any], arg_sets: Sequence[tuple]) -> Timing:
+        """Times `fn(*args)` alone, args rotating over `arg_sets`; raises what it raises."""
+        t = self.interleaved([lambda args: fn(*args)], arg_sets)[0]
+        if isinstance(t, BaseException):
+            raise t
+        return t
+
+    def interleaved(self, calls: Sequence[Callable[[tuple], Any]], arg_sets: Sequence[tuple],
+                    contexts: Sequence[Callable[[], Any]] | None = None) -> list[Timing | BaseException]:
+        """Times the callables of `calls` (each takes one input set) in rounds, one call of each per round, and
+        returns each one's Timing, or the exception that stopped it (it is left out of the rounds after that).
+        contexts[k], where given, makes a context entered around each call of calls[k] outside its timed part.
+        The number of rounds fills about `target_s` per callable at their mean time per call."""
         n = len(arg_sets)
-        for i in range(self.warmup):
-            fn(*arg_sets[i % n])
+        ctxs = list(contexts) if contexts is not None else [contextlib.nullcontext] * len(calls)
+        out: list[Timing | BaseException | None] = [None] * len(calls)
+        one = [0.0] * len(calls)
+        for k, call in enumerate(calls):
+            try:
+                with ctxs[k]():
+                    for i in range(self.warmup):
+                        call(arg_sets[i % n])
+                    sync(self.device)
+                    t0 = time.perf_counter()
+                    call(arg_sets[0])
+                    sync(self.device)
+                    one[k] = time.perf_counter() - t0
+            except Exception as e:  # noqa: BLE001 - recorded as that implementation's result
+                out[k] = e
+        live = [k for k in range(len(calls)) if out[k] is None]
+        if not live:
+            return out  # type: ignore[return-value]
+        reps = self._reps(sum(one[k] for k in live) / len(live))
+        times: list[list[float]] = [[] for _ in calls]
+        timed = self._cuda_call if self.device == "cuda" else self._cpu_call
+        c = 1
+        for _ in range(reps):
+            for k in live:
+                if out[k] is not None:
+                    continue
+                try:
+                    with ctxs[k]():
+                        times[k].append(timed(calls[k], arg_sets[c % n]))
+                except Exception as e:  # noqa: BLE001
+                    out[k] = e
+                c += 1
         if self.device == "cuda":
-            return self._cuda(fn, arg_sets)
-        return self._cpu(fn, arg_sets)
+            torch.cuda.synchronize()
+            times = [[s.elapsed_time(e) / 1e3 for s, e in ts] for ts in times]  # type: ignore[misc]
+        for k in live:
+            if out[k] is None:
+                ts = times[k]
+                out[k] = Timing(statistics.median(ts), _quantile(ts, 0.1), _quantile(ts, 0.9), len(ts))
+        return out  # type: ignore[return-value]
+
+    @staticmethod
+    def _cpu_call(call: Callable[[tuple], Any], args: tuple) -> float:
+        t0 = time.perf_counter()
+        call(args)
+        return time.perf_counter() - t0
+
+    @staticmethod
+    def _cuda_call(call: Callable[[tuple], Any], args: tuple):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        call(args)
+        b.record()
+        return a, b
 
     def _reps(self, one_call_s: float) -> int:
         if one_call_s <= 0:
             return self.max_reps
         return int(min(self.max_reps, max(self.min_reps, math.ceil(self.target_s / one_call_s))))
-
-    def _cpu(self, fn, arg_sets) -> Timing:
-        n = len(arg_sets)
-        t0 = time.perf_counter()
-        fn(*arg_sets[0])
-        reps = self._reps(time.perf_counter() - t0)
-        times = []
-        for i in range(reps):
-            args = arg_sets[(i + 1) % n]
-            t0 = time.perf_counter()
-            fn(*args)
-            times.append(time.perf_counter() - t0)
-        return Timing(statistics.median(times), _quantile(times, 0.1), _quantile(times, 0.9), reps)
-
-    def _cuda(self, fn, arg_sets) -> Timing:
-        n = len(arg_sets)
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for i in range(3):
-            fn(*arg_sets[i % n])
-        b.record()
-        torch.cuda.synchronize()
-        reps = self._reps(a.elapsed_time(b) / 3e3)
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        for i in range(reps):
-            args = arg_sets[(i + 3) % n]
-            starts[i].record()
-            fn(*args)
-            ends[i].record()
-        torch.cuda.synchronize()
-        times = [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
-        return Timing(statistics.median(times), _quantile(times, 0.1), _quantile(times, 0.9), reps)
 
 
 def sync(device: str) -> None:

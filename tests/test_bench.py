@@ -192,6 +192,49 @@ def test_visible_pairs_and_machine_name():
     assert timing.machine_name("cpu").startswith("cpu-")
 
 
+def test_interleaved_timer_rounds_sets_contexts_and_errors():
+    """The implementations of a case are timed in rounds, one call each; call c of the rounds reads set c mod n;
+    each call runs inside its context, which is not timed; one that raises is left out after that, the others go
+    on. (What is asserted is the order and count of the calls, never a time.)"""
+    log = []
+    entered = []
+
+    def ctx_of(name):
+        class Ctx:
+            def __enter__(self):
+                entered.append(name)
+
+            def __exit__(self, *exc):
+                entered.append("/" + name)
+        return Ctx
+
+    def call_of(name, fail_at=None):
+        def call(args):
+            assert entered[-1] == name  # inside its own context
+            log.append((name, args[0]))
+            if fail_at is not None and sum(1 for n, _ in log if n == name) == fail_at:
+                raise RuntimeError("stops here")
+        return call
+
+    timer = timing.Timer("cpu", target_s=0.0, min_reps=6, max_reps=6, warmup=1)
+    sets = [(i,) for i in range(4)]
+    got = timer.interleaved([call_of("a"), call_of("b", fail_at=4), call_of("c")], sets,
+                            [ctx_of("a"), ctx_of("b"), ctx_of("c")])
+    # each: 1 warm-up (set 0) + 1 sizing call (set 0), then the rounds
+    assert log[:6] == [("a", 0), ("a", 0), ("b", 0), ("b", 0), ("c", 0), ("c", 0)]
+    rounds = log[6:]
+    assert [n for n, _ in rounds[:6]] == ["a", "b", "c", "a", "b", "c"]
+    assert [s for _, s in rounds[:6]] == [1, 2, 3, 0, 1, 2]  # one counter over all the rounds' calls
+    assert sum(1 for n, _ in rounds if n == "b") == 2  # its 4th call raised: out after that
+    assert [n for n, _ in rounds[6:]] == ["a", "c"] * 4
+    assert isinstance(got[1], RuntimeError)
+    assert got[0].reps == 6 and got[2].reps == 6 and got[0].p10_s <= got[0].median_s <= got[0].p90_s
+    assert entered.count("a") == entered.count("/a") == 1 + 6  # warm-up and sizing in one entry
+    assert timer(lambda x: None, sets).reps == 6
+    with pytest.raises(RuntimeError, match="alone"):
+        timer(lambda x: (_ for _ in ()).throw(RuntimeError("alone")), sets)
+
+
 def test_bench_run_tiny_filtered(tmp_path):
     from bench.run import main
 
