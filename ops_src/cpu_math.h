@@ -937,6 +937,31 @@ __attribute__((always_inline)) inline void pack_transposed_panels(int64_t R, int
 // whether a float is finite (bit test: -ffast-math cannot fold it away)
 __attribute__((always_inline)) inline bool is_finite_bits(float v) { return (float_bits(v) & 0x7F800000u) != 0x7F800000u; }
 
+// One element row of a fold tile into the tile's panels of 32 columns ([element][32] each, pstride floats apart, dst
+// at the element's row of the first panel): src[x] (read as float) to dst[(x / 32) * pstride + x % 32] for x < n.
+// Returns whether one of them is an inf or NaN. A whole panel's 32 columns are a loop of fixed length, which the
+// compiler vectorises at every x86-64 level; the generated loop it replaced (bounds min(nt, x0 + 32), a finite flag
+// per element) took ~1.5x (AVX2) to ~2x (AVX-512) the time on a Zen 4 EPYC, 2 MiB of fp32 V in L2/L3.
+template <class T>
+inline bool pack_row_panels(const T* __restrict__ src, int64_t n, float* __restrict__ dst, int64_t pstride) {
+  uint32_t bad = 0;
+  int64_t x0 = 0;
+  for (; x0 + 32 <= n; x0 += 32) {
+    float* dp = dst + x0 / 32 * pstride;
+    for (int u = 0; u < 32; ++u) {
+      const float v = ld(src[x0 + u]);
+      dp[u] = v;
+      bad |= is_finite_bits(v) ? 0u : 1u;
+    }
+  }
+  for (; x0 < n; ++x0) {
+    const float v = ld(src[x0]);
+    dst[x0 / 32 * pstride + x0 % 32] = v;
+    bad |= is_finite_bits(v) ? 0u : 1u;
+  }
+  return bad != 0;
+}
+
 // ------------------------------------------------------------------------------------------ bf16 pair tiles
 // Where the CPU has AVX512_BF16 (Zen 4, Cooper Lake, Sapphire Rapids and later), the GEMM tiles of a block kernel
 // over bf16 operands can multiply them as pairs of bf16 (vdpbf16ps: two products added into each float lane, with

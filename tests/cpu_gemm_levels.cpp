@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "cpu_math.h"
@@ -214,6 +215,52 @@ PACK_AT(v4, __attribute__((target("arch=x86-64-v4"))))
 PACK_AT(v3, __attribute__((target("arch=x86-64-v3"))))
 #endif
 PACK_AT(base, )
+
+// pack_row_panels (an element row of a fold tile into its panels of 32 columns, pstride apart): every column x < n
+// at panel x / 32, slot x % 32, bit for bit as ld() reads it; nothing else of the panels written; and the result
+// true exactly where a packed value is an inf or NaN (none, one at the first, a middle, the last column, in the
+// tail past the whole panels), for row lengths that end inside, at and past a panel, float and bf16 sources.
+template <class T>
+using RowPanels = bool (*)(const T*, int64_t, float*, int64_t);
+#define ROW_PANELS_AT(level, attr)                                                                              \
+  template <class T>                                                                                            \
+  attr static bool row_panels_##level(const T* src, int64_t n, float* dst, int64_t pstride) {                  \
+    return rf::pack_row_panels(src, n, dst, pstride);                                                           \
+  }
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+ROW_PANELS_AT(v4, __attribute__((target("arch=x86-64-v4"))))
+ROW_PANELS_AT(v3, __attribute__((target("arch=x86-64-v3"))))
+#endif
+ROW_PANELS_AT(base, )
+
+template <class T>
+static int check_row_panels(const char* name, RowPanels<T> f) {
+  int bad = 0;
+  uint32_t seed = 7;
+  const float specials[3] = {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                             std::numeric_limits<float>::quiet_NaN()};
+  for (int n : {1, 5, 15, 16, 17, 31, 32, 33, 47, 64, 80, 96, 127, 200, 256}) {
+    const int64_t pstride = 32 * 9 + 32;  // panels further apart than the tile's rows, so a wrong stride shows
+    const int64_t panels = (n + 31) / 32;
+    for (int at : {-1, 0, n / 2, n - 1, n / 32 * 32}) {  // where a non-finite value sits (-1: none)
+      if (at >= n) continue;
+      std::vector<T> src(n);
+      for (int x = 0; x < n; ++x) src[x] = rf::from_float<T>(uniform(seed) * 64.0f);
+      if (at >= 0) src[at] = rf::from_float<T>(specials[lcg(seed) % 3]);
+      std::vector<float> dst(panels * pstride + 64, -3.0f);
+      const bool got = f(src.data(), n, dst.data() + 32, pstride);  // the element's row 32 floats into each panel
+      if (got != (at >= 0) && bad++ < 5) std::printf("%s n%d non-finite at %d: returned %d\n", name, n, at, got);
+      for (int64_t i = 0; i < int64_t(dst.size()); ++i) {
+        const int64_t rel = i - 32, x = rel % pstride < 32 && rel >= 0 ? rel / pstride * 32 + rel % pstride : -1;
+        const float want = x >= 0 && x < n ? rf::ld(src[x]) : -3.0f;
+        if (redfuser::float_bits(dst[i]) != redfuser::float_bits(want) && bad++ < 5)
+          std::printf("%s n%d at %d: dst[%ld] = %g, want %g\n", name, n, at, long(i), dst[i], want);
+      }
+    }
+  }
+  std::printf("%s mismatches: %d\n", name, bad);
+  return bad;
+}
 
 // first_rows (the first row of a run that reads or counts each element of a chunk, for the packs) against a search
 // per element, on flag patterns of every kind the kernels make: all set, none, a causal diagonal (row q sees
@@ -461,6 +508,8 @@ int main() {
     bad += check_tc("gemm_tile_tc_v4", rf::gemm_tile_tc_v4);
     bad += check_e4m3_floats("e4m3_to_floats_v4", rf::e4m3_to_floats_v4);
     bad += check_first_rows("first_rows_v4", first_rows_v4);
+    bad += check_row_panels<float>("pack_row_panels_v4 float", row_panels_v4<float>);
+    bad += check_row_panels<rf::bf16_t>("pack_row_panels_v4 bf16", row_panels_v4<rf::bf16_t>);
   } else {
     std::printf("x86-64-v4 not supported here: skipped\n");
   }
@@ -473,6 +522,8 @@ int main() {
     bad += check_tc("gemm_tile_tc_v3", rf::gemm_tile_tc_v3);
     bad += check_e4m3_floats("e4m3_to_floats_v3", rf::e4m3_to_floats_v3);
     bad += check_first_rows("first_rows_v3", first_rows_v3);
+    bad += check_row_panels<float>("pack_row_panels_v3 float", row_panels_v3<float>);
+    bad += check_row_panels<rf::bf16_t>("pack_row_panels_v3 bf16", row_panels_v3<rf::bf16_t>);
   } else {
     std::printf("x86-64-v3 not supported here: skipped\n");
   }
@@ -494,5 +545,7 @@ int main() {
   bad += check_pack<rf::bf16_t>("pack_transposed_base bf16", pack_base<rf::bf16_t>);
   bad += check_panels();
   bad += check_first_rows("first_rows_base", first_rows_base);
+  bad += check_row_panels<float>("pack_row_panels_base float", row_panels_base<float>);
+  bad += check_row_panels<rf::bf16_t>("pack_row_panels_base bf16", row_panels_base<rf::bf16_t>);
   return bad != 0;
 }

@@ -235,7 +235,8 @@ def test_attention_contraction_and_weighted_sum_are_gemm_tiles():
         w = re.search(r"const float (wsum\d+) = rf::exp_sum\(wts\d+, cn\);", body)
         assert w and re.search(rf"acc\d+ = acc\d+ \+ {w.group(1)};", body) and "rf::lanes_total" not in body
         assert re.search(r"acc\d+ = rf::max\(acc\d+, rf::max_of\(el_s, cn\)\);", body) and "rf::kmax" not in body
-        assert f"float* dp = dst + x0 * {C};" in body and "dp[ix_d - n0 - x0] = v;" in body
+        assert "const int64_t ix_d = n0;" in body and "float* dp = dst + x0" not in body
+        assert re.search(rf"bad \|= rf::pack_row_panels\(&t_v\[.*\(ix_d\)\], nt, dst, {C} \* 32\) \? 1u : 0u;", body)
         assert re.search(rf"rf::gemm_tile_panels\(r1 - r0, nt, cn, bwts\d+ \+ r0 \* {C}, {C}, pt, {C} \* 32, bst_o", body)
         assert f"acc[x] = acc[x] + w * pt[x / 32 * {C * 32} + jj * 32 + x % 32];" in body
         # the correction is applied per row before the tile is folded in, and skipped where it is exactly 1
@@ -245,6 +246,24 @@ def test_attention_contraction_and_weighted_sum_are_gemm_tiles():
         assert "rf::store(&o_out[ix_b * ost_out[0] + ix_i * ost_out[1] + ix_h * ost_out[2] + ix_d], " in body
         assert "rf::store(&o_out[ix_b * ost_out[0] + ix_i * ost_out[1] + ix_h * ost_out[2] + ix_d * ost_out[3]], " in body
         assert body.index("st_o[r] = st_o[r] * cr_o") < body.index("rf::gemm_tile_panels(r1 - r0, nt, cn")
+
+
+def test_fold_factor_rows_are_packed_by_the_row_helper():
+    """A fold's streamed factor that is one read of a row-contiguous input (V) is packed from the row as it is; one
+    that is an expression of reads is evaluated into a row of values first; both through rf::pack_row_panels, the
+    one packing loop (tests/cpu_gemm_levels.cpp checks it at every x86 level)."""
+    text = (ROOT / "tests" / "specs" / "causal_attention.yaml").read_text()
+    plain = cpu_source(derive(parse_spec(text, "plain.yaml")), "plain_cpu.h")
+    expr_text = text.replace("o: sum(exp(s - m) * v[b, j, d])", "o: sum(exp(s - m) * (v[b, j, d] + k[b, j, d]))")
+    assert expr_text != text
+    expr = cpu_source(derive(parse_spec(expr_text, "expr.yaml")), "expr_cpu.h")
+    for src in (plain, expr):
+        assert "float* dp = dst + x0" not in src and "bad |= rf::is_finite_bits(v)" not in src
+    assert re.search(r"bad \|= rf::pack_row_panels\(&t_v\[.*\(ix_d\)\], nt, dst, \d+ \* 32\) \? 1u : 0u;", plain)
+    assert "float vals[" not in plain
+    assert re.search(r"for \(int64_t ix_d = n0; ix_d < n0 \+ nt; \+\+ix_d\) vals\[ix_d - n0\] = \(rf::ld\(t_k\[.*"
+                     r"\+ rf::ld\(t_v\[", expr)
+    assert re.search(r"bad \|= rf::pack_row_panels\(vals, nt, dst, \d+ \* 32\) \? 1u : 0u;", expr)
 
 
 def test_attention_query_rows_are_read_in_their_dtype():

@@ -50,7 +50,7 @@ def test_e4m3_rounding_matches_torch_on_every_float(tmp_path):
 
 def test_tile_gemms_at_every_x86_level(tmp_path):
     """tests/cpu_gemm_levels.cpp: gemm_tile, gemm_tile_nt, gemm_tile_tc (stored transposed), e4m3_row_dots,
-    e4m3_to_floats and first_rows at each x86-64 level the CPU runs (each level has its own vector width and lane
+    e4m3_to_floats, first_rows and pack_row_panels at each x86-64 level the CPU runs (each level has its own vector width and lane
     reduction; the op tests reach only the machine's own), against float64 (first_rows against a search per
     element, e4m3_to_floats bit for bit against the scalar decode). Compiled with the kernels' flags and no -march,
     as the kernels are: the base level is then really SSE2 code."""
@@ -60,6 +60,7 @@ def test_tile_gemms_at_every_x86_level(tmp_path):
     assert "pack_transposed_base bf16 mismatches: 0" in out, out
     assert "panels mismatches: 0" in out, out
     assert "first_rows_base mismatches: 0" in out, out
+    assert "pack_row_panels_base float mismatches: 0" in out and "pack_row_panels_base bf16 mismatches: 0" in out, out
     assert "gemm_tile_tc_base mismatches: 0" in out and "e4m3_to_floats_base mismatches: 0" in out, out
     if cpu_flag("avx512_bf16"):  # the pair tiles, whether or not the kernels pick them here: checked, not skipped
         assert "bf16 pairs mismatches: 0" in out, out

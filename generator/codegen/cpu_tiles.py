@@ -1034,14 +1034,14 @@ def _pack_fold(k, g: GemmFold, f) -> None:
     bind_row(k, "rs", light=True)
     k.emit(f"const int64_t ix_{ir.over} = c0 + jj;")
     k.emit(f"(void)ix_{ir.over};")
-    k.block("for (int64_t x0 = 0; x0 < nt; x0 += 32)")
-    k.emit(f"float* dp = dst + x0 * {ch};")
-    k.block(f"for (int64_t ix_{n} = n0 + x0; ix_{n} < n0 + std::min<int64_t>(nt, x0 + 32); ++ix_{n})")
-    k.emit(f"const float v = {k.pr.flt(g.inner)};")
-    k.emit(f"dp[ix_{n} - n0 - x0] = v;")
-    k.emit("bad |= rf::is_finite_bits(v) ? 0u : 1u;")
-    k.end()
-    k.end()
+    row = _row_start(k, g)
+    if row:
+        k.emit(f"const int64_t ix_{n} = n0;  // the tile's first column: the row from there on, packed by vectors")
+        k.emit(f"bad |= rf::pack_row_panels(&{row}, nt, dst, {ch} * 32) ? 1u : 0u;")
+    else:
+        k.emit(f"float vals[{NTILE}];  // the factor's values at this element's columns n0 .. n0 + nt, then packed")
+        k.emit(f"for (int64_t ix_{n} = n0; ix_{n} < n0 + nt; ++ix_{n}) vals[ix_{n} - n0] = {k.pr.flt(g.inner)};")
+        k.emit(f"bad |= rf::pack_row_panels(vals, nt, dst, {ch} * 32) ? 1u : 0u;")
     k.end()
     k.emit(f"if (pt != {g.pack}) {g.pack}_memo.word(slot) = bad;")
     k.end("} else {")
@@ -1056,6 +1056,15 @@ def _pack_fold(k, g: GemmFold, f) -> None:
         k.end()
     k.end()
     k.end()
+
+
+def _row_start(k, g: GemmFold) -> str | None:
+    """The element that a fold's streamed factor reads, where that factor is one read of an input whose rows are
+    contiguous along the free index (the row from that element on is at hand, for rf::pack_row_panels); else None
+    (an expression of reads: packed value by value)."""
+    if not isinstance(g.inner, sp.Indexed) or not _unit_last(k, g.inner, k.ir.indices[g.free]):
+        return None
+    return k.tensor_element(str(g.inner.base.label), g.inner.indices)
 
 
 def _fold_pair_rows(k, g: GemmFold) -> None:

@@ -308,10 +308,21 @@ MUTANTS: list[Mutant] = [
       "output column of the fp8 GEMM is a copy of the one before it (every x86 level)",
       ("tests/test_fp8_quant_gemm.py", *NOSLOW), ),
     M("tiles-fold-pack-panels-overlap", "generator/codegen/cpu_tiles.py",
-      'k.emit(f"float* dp = dst + x0 * {ch};")', 'k.emit(f"float* dp = dst + x0 * ({ch} - 1);")',
+      'k.emit(f"bad |= rf::pack_row_panels(&{row}, nt, dst, {ch} * 32) ? 1u : 0u;")',
+      'k.emit(f"bad |= rf::pack_row_panels(&{row}, nt, dst, ({ch} - 1) * 32) ? 1u : 0u;")',
       "the fold's packed tile (V of attention) puts its 32-column panels one element row short of apart: each "
       "panel's last row overlaps the next panel's first, so p.v reads wrong values for d past 32",
       ATTN, ),
+    M("cpu-math-row-panels-tail-slot", "ops_src/cpu_math.h",
+      "    dst[x0 / 32 * pstride + x0 % 32] = v;\n", "    dst[x0 % 32] = v;\n",
+      "a packed element row's columns past its last whole panel go to the first panel: V of a head dimension "
+      "that is not a multiple of 32 (80, say) overwrites columns 0-15 of p.v's tile with columns 64-79",
+      ("tests/test_cpu_math_exhaustive.py", "-k", "tile_gemms"), ),
+    M("cpu-math-row-panels-flag-dropped", "ops_src/cpu_math.h",
+      "      dp[u] = v;\n      bad |= is_finite_bits(v) ? 0u : 1u;\n", "      dp[u] = v;\n",
+      "an inf or NaN in a whole panel of a packed element row goes unreported: the fold runs the tile GEMM, whose "
+      "weight-0 products of masked elements give NaN (0 x inf), where it should fold counted elements only",
+      ("tests/test_cpu_math_exhaustive.py", "-k", "tile_gemms"), ),
     M("cpu-math-panels-pack-stride", "ops_src/cpu_math.h",
       "    pack_transposed(R - r0 < 32 ? R - r0 : 32, C, rows + r0, dst + r0 / 32 * pstride, 32);\n",
       "    pack_transposed(R - r0 < 32 ? R - r0 : 32, C, rows + r0, dst + r0 / 32 * (pstride - 32), 32);\n",
