@@ -87,3 +87,25 @@ def test_cpu_latent_columns_shared_across_threads(threads):
                     assert torch.all(many[0][b] == 0) and torch.all(many[1][b] == float("-inf"))
     finally:
         torch.set_num_threads(old)
+
+
+def test_cpu_float_tiles_and_pair_tiles(tmp_path):
+    """bf16 MLA on the CPU both ways, each in a fresh process: REDFUSER_CPU_BF16_DOT=0 keeps the float tiles (the
+    Xeon's default: a sequence's heads, a run of up to 32 rows, take the NT score tile on the cache rows as they
+    are), =1 the bf16 pair tiles where the CPU has AVX512_BF16 (runs of 8 heads or more; fewer take the NT tile
+    again). Both pass the reference rule at Hq 4, 16 and 40 (a run past 32 rows: the transposed tile), causal and
+    not; where the instruction exists the two differ (the pairs ran)."""
+    from cpu_features import cpu_flag, ops_in_subprocess
+
+    gen = torch.Generator().manual_seed(23)
+    cases = [(_paged([70, 300], 1, 4, torch.bfloat16, gen, "cpu"), False),
+             (_paged([129, 0, 64], 2, 16, torch.bfloat16, gen, "cpu"), True),
+             (_paged([200], 1, 40, torch.bfloat16, gen, "cpu"), False)]
+    call = "[torch.ops.redfuser.mla_decode(q, kv, t, n, 512, None, c) for (q, kv, t, n), c in ins]"
+    floats = ops_in_subprocess(tmp_path, cases, call, {"REDFUSER_CPU_BF16_DOT": "0"})
+    pairs = ops_in_subprocess(tmp_path, cases, call, {"REDFUSER_CPU_BF16_DOT": "1"})
+    for ((q, kv, table, seqlens), causal), flt, par in zip(cases, floats, pairs):
+        for out, lse in (flt, par):
+            _judge(q, kv, table, seqlens, causal, out, lse)
+    if cpu_flag("avx512_bf16"):
+        assert not all(torch.equal(f[0], p[0]) for f, p in zip(floats, pairs))

@@ -334,7 +334,7 @@ MUTANTS: list[Mutant] = [
       'k.emit(f"rf::gemm_tile_nt(r1 - r0 - 1, {ch}, ex_{c}, b{buf} + r0 * ex_{c}',
       "the score GEMM of a short run of rows (decode heads, the NT tile on the operand's rows) computes one row "
       "too few: the last head of each run keeps stale scores",
-      ("tests/test_mla_decode.py", *NOSLOW), ),
+      ("tests/test_mla_decode.py", "tests/test_fused_attention.py", *NOSLOW), ),
     M("tiles-hidden-row-keeps-stale-weights", "generator/codegen/cpu_tiles.py",
       'k.emit(f"std::fill({g.wbuf}, {g.wbuf} + {ch}, 0.0f);")', 'k.emit(f"(void){g.wbuf};")',
       "a row that the mask hides from a chunk skips its update but keeps the previous chunk's fold weights: the "
