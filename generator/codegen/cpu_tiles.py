@@ -849,7 +849,7 @@ def pairs_fold(k, g: GemmFold) -> str | None:
     one read of a native input along the free index with unit stride (its rows are contiguous) and it is not an NT
     fold. The weights are rounded to bf16 for the pair products (nearest-even, a relative 2^-9 per weight, as a
     bf16 attention rounds its probabilities before P x V); the states they are normalised by are summed in float."""
-    if _nt_fold(k, g) or not isinstance(g.inner, sp.Indexed) or not _unit_last(k, g.inner, k.ir.indices[g.free]):
+    if _nt_fold(k, g) or _row_start(k, g) is None:
         return None
     ty = k.types.get(str(g.inner.base.label), "")
     return ty if ty.startswith("T_") else None
