@@ -84,7 +84,7 @@ def test_specs_readme_states_what_each_spec_builds(path: Path):
 def test_readme_status_table_follows_the_specs():
     readme = (ROOT / "README.md").read_text()
     status = table_rows(readme, "## Status")
-    ops = {load_spec(p).name: load_spec(p) for p in SPECS}
+    ops = {s.name: s for s in map(load_spec, SPECS)}
     assert set(status) <= set(ops)
     for op, cells in status.items():
         spec = ops[op]
