@@ -20,7 +20,12 @@ from generator.spec import load_spec, spec_files
 from generator.symbolic import derive
 from generator.symbolic.evaluate import evaluate_merged, evaluate_online, random_problem
 from generator.symbolic.forms import analyze
-from generator.symbolic.oracle import adversarial_problem, check_forms, evaluate_plain
+from generator.symbolic.oracle import (
+    adversarial_problem,
+    check_forms,
+    evaluate_plain,
+    judge,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = spec_files(ROOT / "specs")
@@ -40,6 +45,7 @@ POISON = {
     "fp8_quant_gemm": [("x", "zero row")],
     "rms_norm_fp8_quant": [("x", "zero row")],
     "row_softmax": [("x", "-inf row"), ("x", "-inf some")],
+    "tempered_entropy": [("x", "-inf row"), ("x", "-inf some")],
     "vocab_topk": [("logits", "-inf row"), ("logits", "-inf some")],
     "causal_attention": [("lens", "zero row")],
     "mla_decode": [("cache_seqlens", "zero row")],
@@ -89,6 +95,21 @@ def test_online_and_merge_forms_match_the_unfused_cascade(path, analyses):
             assert not check_forms(case, prob, rng, 1e-12), (case.ir.label, check_forms(case, prob, rng, 1e-12))
             adversarial = adversarial_problem(case.ir, rng, 6)
             assert not check_forms(case, adversarial, rng), (case.ir.label, check_forms(case, adversarial, rng))
+
+
+def test_the_self_checks_judge_holds_every_defined_value():
+    """oracle.judge, by which derive() and the tests above accept a form: where the plain math is an infinity the
+    result must be that infinity, where it is a number within rtol of the output's scale; only where the plain math
+    is NaN (undefined) is anything accepted."""
+    inf, nan = np.inf, np.nan
+    ref = {"o": np.array([2.0, inf, -inf, nan]), "n": np.array([3, 4])}
+    assert not judge(ref, {"o": np.array([2.0, inf, -inf, 5.0]), "n": np.array([3, 4])})
+    assert not judge(ref, {"o": np.array([2.0 + 1e-10, inf, -inf, -inf]), "n": np.array([3, 4])})
+    for bad in ([2.1, inf, -inf, nan], [nan, inf, -inf, nan], [2.0, -inf, -inf, nan], [2.0, inf, 1e30, nan],
+                [2.0, nan, -inf, nan], [2.0, inf, inf, 0.0], [-inf, inf, -inf, 0.0]):
+        assert judge(ref, {"o": np.array(bad), "n": np.array([3, 4])}), bad
+    assert judge(ref, {"o": np.array([2.0, inf, -inf, nan]), "n": np.array([3, 5])})
+    assert judge(ref, {"o": np.array([2.0, inf]), "n": np.array([3, 4])})  # a shape that differs
 
 
 def _runs(case, prob, rng):

@@ -237,6 +237,19 @@ def test_where_predicate_tutorial_entropy(dtype, L):
         assert np.abs(out[[0, 1, 3]] - ref[[0, 1, 3]]).max() < 1e-3 * max(1.0, np.abs(ref[[0, 1, 3]]).max())
 
 
+@pytest.mark.parametrize("L", [1, 4097])
+def test_lets_reading_lets_tempered_entropy(L):
+    """tests/specs/tempered_entropy.yaml: z = y / temperature is an element value only through the let y, and
+    w = exp(z - m) through z: each must be computed per element (a let taken as a row value would be one number for
+    the whole row); -inf elements count for nothing, split rows too."""
+    x = logits(3, L, L + 5)
+    x[1, : L // 2] = float("-inf")
+    for temp in (0.5, 3.0):
+        for sms in (None, 132):
+            (out,), seen = run("tempered_entropy", x, "float32", fparams=[temp], sms=sms)
+            judge(out, _entropy_reference(seen / temp), _entropy_reference(seen.float() / temp))
+
+
 def test_split_plan():
     assert sr.split_plan(4096, 128256, 132, 4096) == (1, 31)  # many rows: a CTA per row
     assert sr.split_plan(16, 128256, 132, 4096) == (11, 3)  # 16 rows of 31 chunks: 11 segments of <= 3 chunks
