@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # files whose change reaches the CPU-only library (the generated C++ kernels and glue, the runtime)
+# (and the package's own Python, redfuser_ops/, which the tests import from the install: a mutant there is installed)
 BUILD_INPUTS = ("ops_src/", "generator/codegen/cpu.py", "generator/codegen/cpu_tiles.py", "generator/codegen/cpp.py",
-                "generator/codegen/glue.py", "generator/codegen/pyapi.py", "generator/codegen/emit.py")
+                "generator/codegen/glue.py", "generator/codegen/pyapi.py", "generator/codegen/emit.py", "redfuser_ops/")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class Mutant:
             return "cuda"
         if self.path.startswith("ops_src/") or self.path == "generator/codegen/glue.py":
             return "runtime"
+        if self.path.startswith("redfuser_ops/"):
+            return "package"
         return "emitter"
 
 
@@ -127,6 +130,27 @@ MUTANTS: list[Mutant] = [
       "an output that is undefined on an empty row (o / l with l = 0) is emitted without its `empty:` value: rows "
       "that see no key return nan",
       (SOUND, *EN_VALUES), ),
+    M("ir-let-indices-dropped", "generator/symbolic/ir.py",
+      "                out |= set(self.lets[sym.name].indices)\n", "                pass\n",
+      "an expression that reads a let is taken as free of the let's indices: a per-element let (s = scale * q.k) "
+      "looks row-constant, so the kernels compute it once per row (tests/specs/tempered_entropy.yaml)",
+      ("tests/test_stream_row_template.py::test_lets_reading_lets_tempered_entropy",), cheap=True),
+    M("oracle-judge-ignores-infinities", "generator/symbolic/oracle.py",
+      "        if np.any(inf & (g != r)):\n", "        if False:\n",
+      "the engine's self-check takes any value where the plain math is an infinity: a form giving +inf for a "
+      "logsumexp of a row of -inf (or nan, or a finite number) passes the check",
+      ("tests/test_engine.py::test_the_self_checks_judge_holds_every_defined_value", SOUND, *EN_VALUES), cheap=True),
+    M("families-exact-arch-runs-on-later-minors", "generator/families.py",
+      "        return cap == (major, minor)\n", "        return cap[0] == major and cap[1] >= minor\n",
+      "an arch-specific SASS (sm_90a, sm_100a) is taken to run on later minors of its major: a 10.3 GPU (B300) "
+      "loads sm_100a's tcgen05 code, which only 10.0 runs, instead of the sm80 family's PTX",
+      ("tests/test_families.py",), cheap=True),
+    M("transformers-dsv3-scaling-dropped", "redfuser_ops/integrations/transformers.py",
+      "                              self.num_group, self.topk_group, self.routed_scaling_factor)\n",
+      "                              self.num_group, self.topk_group, 1.0)\n",
+      "the DeepSeek-V3 router hook leaves out routed_scaling_factor (2.5 in the real model): every expert output of "
+      "the patched model is 2.5x too small",
+      ("tests/test_integrations_transformers.py", "-k", "deepseek"), ),
     # ------------------------------------------------------------------------------------------------ CPU emitter
     M("stream-attention-tail-mask-le", "generator/codegen/templates/stream_attention.py",
       'masked = f"T.if_then_else(kt * {BN} + j < {limit}, {score}, {mask_value})"',

@@ -103,12 +103,27 @@ def apply(m: Mutant, src: Path) -> None:
 FAST_KERNEL_FLAGS = "-O0;-ffast-math;-fno-finite-math-only"
 
 
+def sync_package(src: Path, site: Path) -> list[Path]:
+    """Copy each Python file of the copy's redfuser_ops/ over the installed one whose bytes differ (the files the
+    build generates, _generated_*.py, exist only in the install and are left alone); returns the files written."""
+    written = []
+    for f in sorted((src / "redfuser_ops").rglob("*.py")):
+        dst = site / f.relative_to(src)
+        data = f.read_bytes()
+        if not dst.exists() or dst.read_bytes() != data:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(data)
+            written.append(dst)
+    return written
+
+
 def build(src: Path, work: Path, log: Path, kernel_flags: str = FAST_KERNEL_FLAGS) -> tuple[bool, str]:
     """CPU-only build + install of the copy into <work>/site (the build directory is shared: incremental). The
     first build goes through pip (configure, generator, compile, install); later ones run `cmake --build`, which
     re-runs configure (and the generator) only when a generator file or spec changed (CMAKE_CONFIGURE_DEPENDS) and
-    recompiles only what changed, then `cmake --install` into the same site (the Python package files of the
-    first install stay: no mutant changes them)."""
+    recompiles only what changed, then `cmake --install` into the same site, and copies the package's own Python
+    files (redfuser_ops/**.py of the copy) over the installed ones where they differ: a mutant there, and the clean
+    file again after it."""
     site = work / "site"
     bdir = work / "build"
     cmake = str(Path(sys.executable).parent / "cmake") if (Path(sys.executable).parent / "cmake").exists() else "cmake"
@@ -118,6 +133,7 @@ def build(src: Path, work: Path, log: Path, kernel_flags: str = FAST_KERNEL_FLAG
                 rc = subprocess.run(["nice", *step], check=False, cwd=src, stdout=fh, stderr=subprocess.STDOUT).returncode
                 if rc != 0:
                     return False, f"build failed ({step[1]}, exit {rc}; log {log})"
+        sync_package(src, site)
         return True, ""
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--upgrade",
            "--target", str(site), "-C", "cmake.define.REDFUSER_ARCHS=", "-C", f"build-dir={work / 'build'}",
