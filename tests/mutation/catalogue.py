@@ -151,6 +151,24 @@ MUTANTS: list[Mutant] = [
       "the DeepSeek-V3 router hook leaves out routed_scaling_factor (2.5 in the real model): every expert output of "
       "the patched model is 2.5x too small",
       ("tests/test_integrations_transformers.py", "-k", "deepseek"), ),
+    M("reference-group-score-best-one", "redfuser_ops/reference.py",
+      "        gtop = selection_order(grouped)[..., : min(2, size)]\n",
+      "        gtop = selection_order(grouped)[..., : min(1, size)]\n",
+      "the float64 reference of moe_route scores a group by its best biased score where DeepSeek-V3 sums its two "
+      "best: the reference every op test and the bench judge the grouped router by would agree with a kernel "
+      "that has the same bug",
+      ("tests/test_moe_route.py", *NOSLOW), ),
+    M("reference-mla-causal-off-by-one", "redfuser_ops/reference.py",
+      "            s = s.masked_fill(j >= n - (Sq - 1 - t), float(\"-inf\"))\n",
+      "            s = s.masked_fill(j > n - (Sq - 1 - t), float(\"-inf\"))\n",
+      "the mla_decode reference lets each query token of a causal step see one key past its own position",
+      ("tests/test_mla_decode.py", *NOSLOW), ),
+    M("tl-print-sigmoid-sign", "generator/codegen/tl_print.py",
+      '            return f"(T.float32(1.0) / (T.float32(1.0) + T.exp(-({self.p(e.args[0])}))))"\n',
+      '            return f"(T.float32(1.0) / (T.float32(1.0) + T.exp({self.p(e.args[0])})))"\n',
+      "the TileLang printer writes sigmoid(x) as 1 / (1 + exp(x)), sigmoid(-x): every CUDA kernel of a sigmoid "
+      "router (DeepSeek-V3) scores and selects its experts reversed",
+      ("tests/test_resident_row_template.py", "-k", RR_VALUES), ),
     # ------------------------------------------------------------------------------------------------ CPU emitter
     M("stream-attention-tail-mask-le", "generator/codegen/templates/stream_attention.py",
       'masked = f"T.if_then_else(kt * {BN} + j < {limit}, {score}, {mask_value})"',
