@@ -3,9 +3,10 @@
 Each mutant is an exact search/replace pair (the search text must occur exactly once in its file), a line saying
 what real bug it stands for, and the test selection (pytest arguments, run from the copy's root) that must fail
 on it. A selection names tests that check values (outputs against a reference, the oracle, a simulation or the
-emitted program run on the CPU), never generated text. Mutants of the C++ runtime, the CPU emitter and the glue
-need the CPU-only library rebuilt (``needs_build``); mutants of the engine, the CUDA templates and bridges are
-caught by tests that import ``generator`` from the source tree.
+emitted program run on the CPU), never generated text. Mutants of the C++ runtime, the CPU emitter, the glue and
+the package's own Python (redfuser_ops/, which the tests import from the install) need the CPU-only library rebuilt
+and installed (``needs_build``); mutants of the engine, the CUDA templates and bridges are caught by tests that
+import ``generator`` from the source tree.
 """
 
 from __future__ import annotations
