@@ -28,9 +28,7 @@ def table_rows(text: str, heading: str) -> dict[str, list[str]]:
     seen_table = False
     for line in text[at:].splitlines()[1:]:
         if not line.startswith("|"):
-            if seen_table:
-                break
-            if line.startswith("#"):
+            if seen_table or line.startswith("#"):
                 break
             continue
         seen_table = True

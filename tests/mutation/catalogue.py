@@ -133,8 +133,9 @@ MUTANTS: list[Mutant] = [
       (SOUND, *EN_VALUES), ),
     M("ir-let-indices-dropped", "generator/symbolic/ir.py",
       "                out |= set(self.lets[sym.name].indices)\n", "                pass\n",
-      "an expression that reads a let is taken as free of the let's indices: a per-element let (s = scale * q.k) "
-      "looks row-constant, so the kernels compute it once per row (tests/specs/tempered_entropy.yaml)",
+      "an expression that reads a let is taken as free of the let's indices: a let that is an element value only "
+      "through another let (z = y / temperature in tests/specs/tempered_entropy.yaml) looks row-constant, so the "
+      "kernels compute it once per row",
       ("tests/test_stream_row_template.py::test_lets_reading_lets_tempered_entropy",), cheap=True),
     M("oracle-judge-ignores-infinities", "generator/symbolic/oracle.py",
       "        if np.any(inf & (g != r)):\n", "        if False:\n",

@@ -57,16 +57,22 @@ def tree_files(root: Path = ROOT) -> dict[str, tuple[bytes, int]]:
             if p and (root / p).is_file()}
 
 
+def write_changed(dst: Path, data: bytes) -> bool:
+    """Write data to dst unless dst already holds exactly it (an unchanged file keeps its mtime, so the build does
+    not see it change); whether it was written."""
+    if dst.is_file() and dst.read_bytes() == data:
+        return False
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_bytes(data)
+    return True
+
+
 def sync_tree(src: Path, files: dict[str, tuple[bytes, int]]) -> None:
     """Make src hold exactly the clean tree: write the files whose bytes differ (so they get a new mtime and the
     build sees them change), remove files that are not in it (build outputs of the copy stay out of it)."""
     for rel, (data, mode) in files.items():
-        dst = src / rel
-        if dst.is_file() and dst.read_bytes() == data:
-            continue
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        dst.write_bytes(data)
-        os.chmod(dst, mode & 0o7777)
+        if write_changed(src / rel, data):
+            os.chmod(src / rel, mode & 0o7777)
     for p in sorted(src.rglob("*"), reverse=True):
         rel = p.relative_to(src).as_posix()
         if p.is_file() and rel not in files and "__pycache__" not in rel and not rel.startswith(".pytest_cache"):
@@ -106,15 +112,8 @@ FAST_KERNEL_FLAGS = "-O0;-ffast-math;-fno-finite-math-only"
 def sync_package(src: Path, site: Path) -> list[Path]:
     """Copy each Python file of the copy's redfuser_ops/ over the installed one whose bytes differ (the files the
     build generates, _generated_*.py, exist only in the install and are left alone); returns the files written."""
-    written = []
-    for f in sorted((src / "redfuser_ops").rglob("*.py")):
-        dst = site / f.relative_to(src)
-        data = f.read_bytes()
-        if not dst.exists() or dst.read_bytes() != data:
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            dst.write_bytes(data)
-            written.append(dst)
-    return written
+    files = sorted((src / "redfuser_ops").rglob("*.py"))
+    return [site / f.relative_to(src) for f in files if write_changed(site / f.relative_to(src), f.read_bytes())]
 
 
 def build(src: Path, work: Path, log: Path, kernel_flags: str = FAST_KERNEL_FLAGS) -> tuple[bool, str]:
