@@ -334,6 +334,14 @@ __attribute__((always_inline)) inline void gemm_panel(int64_t K, const float* A,
   }
 }
 
+// A register block sums at most GEMM_KC products in a row before it is added to C: the rounding error of one long
+// running sum grows with its length, and fused_attention fp32 at D 256 with scores of tens (softmax_scale 1-3) had
+// 1.1-5.5x the error of torch's attention, past ACCEPTANCE's 2x-plain rule in most draws (the scores sum D
+// products, out a chunk's 256 keys). In blocks of 128 its error is torch's (0.9-1.1x in the same draws); blocks of
+// 64 halve it again but cost 2-3 % of fp32 prefill at D 128 (Zen 4, 1 thread), 128 nothing measurable there: the
+// score GEMM of D <= 128 stays one block, and C is an L1-resident tile, read and written once more per block.
+constexpr int64_t GEMM_KC = 128;
+
 // MR rows at a time, as many as the vector registers hold beside the NV vectors of B: 8 x 2 zmm of AVX-512's 32
 // registers, 3 x 4 ymm of AVX2's 16, 1 x 8 xmm of SSE2's 16. Measured on a Zen 4 EPYC at 1 thread (tile 32 x 64 x
 // 128, a loaded machine): 41 GFLOP/s with 4 rows, 47 with 8.
@@ -351,19 +359,23 @@ __attribute__((always_inline)) inline void gemm_rows(int64_t M, int64_t N, int64
     const int64_t nv = N - n0 < 32 ? N - n0 : 32;
     const float* Bp = pstride ? B + n0 / 32 * pstride : B + n0;
     const auto at = [&](int64_t m) { return TC ? C + n0 * ldc + m : C + m * ldc + n0; };
+    // rows m .. m + R - 1 of the panel, GEMM_KC values of k at a time (see GEMM_KC)
+    const auto rows = [&](auto r, int64_t m) {
+      for (int64_t k0 = 0; k0 < K; k0 += GEMM_KC)
+        gemm_panel<V, NV, decltype(r)::value, TC>(K - k0 < GEMM_KC ? K - k0 : GEMM_KC, A + m * lda + k0, lda,
+                                                  Bp + k0 * ldb, ldb, at(m), ldc, nv, accumulate || k0 > 0);
+    };
     int64_t m = 0;
-    for (; m + MR <= M; m += MR)
-      gemm_panel<V, NV, MR, TC>(K, A + m * lda, lda, Bp, ldb, at(m), ldc, nv, accumulate);
+    for (; m + MR <= M; m += MR) rows(std::integral_constant<int, MR>{}, m);
     if (MR > 8 && m + 8 <= M) {
-      gemm_panel<V, NV, (MR > 8 ? 8 : 1), TC>(K, A + m * lda, lda, Bp, ldb, at(m), ldc, nv, accumulate);
+      rows(std::integral_constant<int, (MR > 8 ? 8 : 1)>{}, m);
       m += 8;
     }
     if (MR > 4 && m + 4 <= M) {
-      gemm_panel<V, NV, (MR > 4 ? 4 : 1), TC>(K, A + m * lda, lda, Bp, ldb, at(m), ldc, nv, accumulate);
+      rows(std::integral_constant<int, (MR > 4 ? 4 : 1)>{}, m);
       m += 4;
     }
-    for (; m < M; ++m)
-      gemm_panel<V, NV, 1, TC>(K, A + m * lda, lda, Bp, ldb, at(m), ldc, nv, accumulate);
+    for (; m < M; ++m) rows(std::integral_constant<int, 1>{}, m);
   }
 }
 

@@ -43,7 +43,8 @@ def _judge(q, kv, table, seqlens, causal, out, lse):
     assert (out.float() - r_out).abs().max().item() <= 2 * plain + 1e-5
     fin = torch.isfinite(r_lse)
     assert torch.equal(torch.isfinite(lse), fin) and torch.equal(lse[~fin], r_lse[~fin])
-    assert (lse[fin] - r_lse[fin]).abs().max().item() <= 1e-3
+    if fin.any():  # a batch of empty sequences only has no finite lse
+        assert (lse[fin] - r_lse[fin]).abs().max().item() <= 1e-3
 
 
 # fp16 on the CPU: tests/test_mla_fp8_cpu.py

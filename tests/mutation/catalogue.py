@@ -351,6 +351,16 @@ MUTANTS: list[Mutant] = [
       "the NT tile's four-column reduction reads the third column's accumulators for the fourth: every fourth "
       "output column of the fp8 GEMM is a copy of the one before it (every x86 level)",
       ("tests/test_fp8_quant_gemm.py", *NOSLOW), ),
+    M("cpu-math-gemm-one-running-sum", "ops_src/cpu_math.h",
+      "constexpr int64_t GEMM_KC = 128;\n", "constexpr int64_t GEMM_KC = int64_t(1) << 40;\n",
+      "the float tile GEMM sums all of k in one running sum per output: fp32 attention's scores over D 256 and its "
+      "weighted sum over a chunk's 256 keys get up to 5x the error of torch's attention (values right to ~1e-4)",
+      ("tests/test_fused_attention.py", "-k", "large_scores"), ),
+    M("cpu-math-gemm-later-k-blocks-overwrite", "ops_src/cpu_math.h",
+      "ldb, at(m), ldc, nv, accumulate || k0 > 0);\n", "ldb, at(m), ldc, nv, accumulate);\n",
+      "each block of 128 values of k overwrites C instead of adding to it: a product over more than 128 of k "
+      "keeps its last block's part only (attention's scores at D 256, the weighted sum of a long chunk)",
+      ("tests/test_cpu_math_exhaustive.py", "-k", "tile_gemms"), ),
     M("tiles-fold-pack-panels-overlap", "generator/codegen/cpu_tiles.py",
       'k.emit(f"bad |= rf::pack_row_panels(&{row}, nt, dst, {ch} * 32) ? 1u : 0u;")',
       'k.emit(f"bad |= rf::pack_row_panels(&{row}, nt, dst, ({ch} - 1) * 32) ? 1u : 0u;")',
