@@ -359,8 +359,9 @@ __attribute__((always_inline)) inline void gemm_rows(int64_t M, int64_t N, int64
     const int64_t nv = N - n0 < 32 ? N - n0 : 32;
     const float* Bp = pstride ? B + n0 / 32 * pstride : B + n0;
     const auto at = [&](int64_t m) { return TC ? C + n0 * ldc + m : C + m * ldc + n0; };
-    // rows m .. m + R - 1 of the panel, GEMM_KC values of k at a time (see GEMM_KC)
-    const auto rows = [&](auto r, int64_t m) {
+    // r rows (an integral_constant) from m against the panel, GEMM_KC values of k at a time; always inlined, so that
+    // its vectors are those of the calling level (out of line, a lambda is compiled for the default target)
+    const auto rows = [&](auto r, int64_t m) __attribute__((always_inline)) {
       for (int64_t k0 = 0; k0 < K; k0 += GEMM_KC)
         gemm_panel<V, NV, decltype(r)::value, TC>(K - k0 < GEMM_KC ? K - k0 : GEMM_KC, A + m * lda + k0, lda,
                                                   Bp + k0 * ldb, ldb, at(m), ldc, nv, accumulate || k0 > 0);
