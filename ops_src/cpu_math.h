@@ -340,6 +340,9 @@ __attribute__((always_inline)) inline void gemm_panel(int64_t K, const float* A,
 // products, out a chunk's 256 keys). In blocks of 128 its error is torch's (0.9-1.1x in the same draws); blocks of
 // 64 halve it again but cost 2-3 % of fp32 prefill at D 128 (Zen 4, 1 thread), 128 nothing measurable there: the
 // score GEMM of D <= 128 stays one block, and C is an L1-resident tile, read and written once more per block.
+// Not the tile stored transposed (TC, fp8_quant_gemm's acc^T): each block's store there transposes 8 x 8 blocks,
+// and a second block per chunk made fp8_quant_gemm bf16 N4096 K4096 8-11 % slower (M16, M128); its products are of
+// e4m3 values (exact in float32) and its error is the quantisation's, orders of magnitude above the sums' rounding.
 constexpr int64_t GEMM_KC = 128;
 
 // MR rows at a time, as many as the vector registers hold beside the NV vectors of B: 8 x 2 zmm of AVX-512's 32
@@ -359,12 +362,19 @@ __attribute__((always_inline)) inline void gemm_rows(int64_t M, int64_t N, int64
     const int64_t nv = N - n0 < 32 ? N - n0 : 32;
     const float* Bp = pstride ? B + n0 / 32 * pstride : B + n0;
     const auto at = [&](int64_t m) { return TC ? C + n0 * ldc + m : C + m * ldc + n0; };
-    // r rows (an integral_constant) from m against the panel, GEMM_KC values of k at a time; always inlined, so that
-    // its vectors are those of the calling level (out of line, a lambda is compiled for the default target)
+    // r rows (an integral_constant) from m against the panel, kc values of k at a time; always inlined, so that its
+    // vectors are those of the calling level (out of line, a lambda is compiled for the default target: GCC left
+    // the 16-row transposed block out of line, and fp8_quant_gemm M16 ran 7.5x slower)
+    // (at least one block: K = 0 writes C's zeros where it does not accumulate)
+    const int64_t kc = TC ? K : GEMM_KC;
     const auto rows = [&](auto r, int64_t m) __attribute__((always_inline)) {
-      for (int64_t k0 = 0; k0 < K; k0 += GEMM_KC)
-        gemm_panel<V, NV, decltype(r)::value, TC>(K - k0 < GEMM_KC ? K - k0 : GEMM_KC, A + m * lda + k0, lda,
-                                                  Bp + k0 * ldb, ldb, at(m), ldc, nv, accumulate || k0 > 0);
+      int64_t k0 = 0;
+      do {
+        const int64_t kn = K - k0 < kc ? K - k0 : kc;
+        gemm_panel<V, NV, decltype(r)::value, TC>(kn, A + m * lda + k0, lda, Bp + k0 * ldb, ldb, at(m), ldc, nv,
+                                                  accumulate || k0 > 0);
+        k0 += kn;
+      } while (k0 < K);
     };
     int64_t m = 0;
     for (; m + MR <= M; m += MR) rows(std::integral_constant<int, MR>{}, m);

@@ -37,7 +37,7 @@ static int check(const char* name, Gemm f, bool nt) {
   for (int pad : {3, 0})
   for (int M : {1, 2, 3, 4, 5, 7, 8, 9, 17, 33})
     for (int N : {1, 3, 4, 5, 8, 16, 31, 33, 65})
-      for (int K : {1, 3, 8, 15, 16, 17, 64, 100, 256, 600})
+      for (int K : {0, 1, 3, 8, 15, 16, 17, 64, 100, 256, 600})  // K = 0: C is zeros (or kept)
         for (bool acc : {false, true}) {
           if (nt && pad == 0) continue;
           // row strides past the row (ld = width + 3); B is [K][ldb] with ldb rounded up to 32 columns (gemm_tile's
@@ -150,7 +150,7 @@ static int check_tc(const char* name, Gemm f) {
   auto rnd = [&seed] { return uniform(seed); };
   for (int M : {1, 3, 4, 5, 7, 8, 9, 12, 16, 17, 28, 31, 33, 64})
     for (int N : {1, 3, 8, 9, 15, 16, 17, 31, 32, 33, 65, 128})
-      for (int K : {1, 3, 16, 17, 256, 300})
+      for (int K : {0, 1, 3, 16, 17, 256, 300})
         for (bool acc : {false, true}) {
           const int64_t lda = K + 3, ldc = M + 3, pstride = int64_t(K) * 32 + 8, np = (N + 31) / 32;
           std::vector<float> A(M * lda), B(np * pstride), C0(N * ldc), C;

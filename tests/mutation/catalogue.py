@@ -357,7 +357,8 @@ MUTANTS: list[Mutant] = [
       "weighted sum over a chunk's 256 keys get up to 5x the error of torch's attention (values right to ~1e-4)",
       ("tests/test_fused_attention.py", "-k", "large_scores"), ),
     M("cpu-math-gemm-later-k-blocks-overwrite", "ops_src/cpu_math.h",
-      "ldb, at(m), ldc, nv, accumulate || k0 > 0);\n", "ldb, at(m), ldc, nv, accumulate);\n",
+      "                                                  accumulate || k0 > 0);\n",
+      "                                                  accumulate);\n",
       "each block of 128 values of k overwrites C instead of adding to it: a product over more than 128 of k "
       "keeps its last block's part only (attention's scores at D 256, the weighted sum of a long chunk)",
       ("tests/test_cpu_math_exhaustive.py", "-k", "tile_gemms"), ),
