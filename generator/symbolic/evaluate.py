@@ -9,7 +9,9 @@ sympy expressions evaluate by broadcasting. Semantics of the engine's forms:
 - an element is counted when the cascade mask and the reduction's `where` hold; an element whose value is the
   cascade's mask value (e.g. a score of -inf) is not counted by non-selection reductions (proved neutral);
 - selections order elements by (counted first, larger key first, NaN keys last, lower index first).
-Rounding casts are the identity here (exact arithmetic).
+Rounding casts are the identity here (exact arithmetic), unless an Evaluator is made with round_casts: then each
+cast rounds as the dtype does (to nearest even; e4m3 saturating at +-448), for judging a built kernel whose math
+rounds there (tests/test_user_specs.py).
 """
 
 from __future__ import annotations
@@ -156,12 +158,47 @@ def random_problem(
     return Problem(sizes, scalars, tensors)
 
 
+# --------------------------------------------------------------------------------------------- rounding casts
+def _round_float32(x: Any) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64).astype(np.float32).astype(np.float64)
+
+
+def _round_float16(x: Any) -> np.ndarray:
+    """From float32, as the kernels hold the value (float64 straight to float16 rounds some subnormals otherwise)."""
+    with np.errstate(over="ignore"):
+        return np.asarray(x, dtype=np.float64).astype(np.float32).astype(np.float16).astype(np.float64)
+
+
+def _round_bfloat16(x: Any) -> np.ndarray:
+    """Round to nearest even on float32's bits (float64 first rounded to float32, as the kernels hold it)."""
+    f = np.asarray(x, dtype=np.float64).astype(np.float32)
+    bits = f.view(np.uint32).astype(np.uint64)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+    out = bits.view(np.float32).astype(np.float64)
+    return np.where(np.isnan(f), np.nan, out)
+
+
+def _round_e4m3(x: Any) -> np.ndarray:
+    """float8 e4m3fn, saturating: clamped to +-448, then to nearest even on the grid of its binade (3 mantissa
+    bits; below 2^-6 the subnormal step 2^-9), from float32 as the kernels hold the value."""
+    v = np.clip(np.asarray(x, dtype=np.float64).astype(np.float32).astype(np.float64), -448.0, 448.0)
+    _, e = np.frexp(np.abs(v))  # |v| = m * 2^e, m in [0.5, 1)
+    step = np.exp2(np.maximum(e - 1, -6) - 3.0)
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isnan(v), np.nan, np.round(v / step) * step)
+
+
+ROUNDING = {"float32": _round_float32, "float16": _round_float16, "bfloat16": _round_bfloat16,
+            "float8_e4m3fn": _round_e4m3}
+
+
 # --------------------------------------------------------------------------------------------- expressions
 class Evaluator:
-    def __init__(self, ir: CascadeIR, problem: Problem, analysis: Analysis | None = None):
+    def __init__(self, ir: CascadeIR, problem: Problem, analysis: Analysis | None = None, round_casts: bool = False):
         self.ir = ir
         self.p = problem
         self.analysis = analysis
+        self.round_casts = round_casts
         self.sizes = {n: _extent(ir, n, problem) for n in ir.indices}
         self.const: dict[sp.Symbol, NA] = {}
         for n, s in ir.axes.items():
@@ -236,7 +273,8 @@ class Evaluator:
         if isinstance(expr, sigmoid):
             return lift(lambda x: 1.0 / (1.0 + np.exp(-x)), self.ev(expr.args[0], env))
         if isinstance(expr, Cast):
-            return self.ev(expr.args[0], env)
+            inner = self.ev(expr.args[0], env)
+            return lift(ROUNDING[expr.dtype], inner) if self.round_casts else inner
         if isinstance(expr, (sp.Max, sp.Min)):
             fn = np.maximum if isinstance(expr, sp.Max) else np.minimum
             out = self.ev(expr.args[0], env)

@@ -94,9 +94,9 @@ def _plain_fold(op: str, body: NA, counted: NA, dim: str) -> NA:
 
 
 class _Plain:
-    def __init__(self, ir: CascadeIR, problem: Problem):
+    def __init__(self, ir: CascadeIR, problem: Problem, round_casts: bool = False):
         self.ir = ir
-        self.ev = Evaluator(ir, problem)  # the expression interpreter only: it is given no analysis
+        self.ev = Evaluator(ir, problem, round_casts=round_casts)  # the expression interpreter only: no analysis
         self.results: dict[str, Any] = {}
         self.undefined: dict[str, NA] = {}  # per reduction: where it is NaN or reads a result that is
 
@@ -164,9 +164,10 @@ class _Plain:
         return out
 
 
-def evaluate_plain(ir: CascadeIR, problem: Problem) -> dict[str, np.ndarray]:
-    """The plain unfused math of the cascade (see the module docstring)."""
-    run = _Plain(ir, problem)
+def evaluate_plain(ir: CascadeIR, problem: Problem, round_casts: bool = False) -> dict[str, np.ndarray]:
+    """The plain unfused math of the cascade (see the module docstring); round_casts: each cast rounds as its dtype
+    does (Evaluator), where the engine's checks take casts as exact."""
+    run = _Plain(ir, problem, round_casts)
     for r in ir.reductions:
         res = run.reduce(r)
         run.results[r.name] = res

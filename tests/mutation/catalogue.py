@@ -692,4 +692,18 @@ MUTANTS: list[Mutant] = [
       "the one-entry-per-group path never raises a group's bar: every later element replaces the group's best, so "
       "a group's score is its last expert's, and grouped routing keeps the wrong groups",
       ("tests/test_moe_route.py", *NOSLOW), ),
+    # the element-by-element fold of the row kernels: only ops of tests/specs reach it (a sum with `where=`, or
+    # whose state another form reads), judged by the library built from them (tests/test_user_specs.py)
+    M("cpu-chunk-sum-overwrites-state", "generator/codegen/cpu.py",
+      '            self.emit(f"st_{name} = st_{name} + {v};")',
+      '            self.emit(f"st_{name} = {v};")',
+      "a sum folded chunk by chunk into a local accumulator replaces its state with the last chunk's sum: an "
+      "entropy's sum of p log p over a row longer than a chunk keeps only its last chunk",
+      ("tests/test_user_specs.py",), ),
+    M("cpu-fold-where-ignored", "generator/codegen/cpu.py",
+      '        guard = "" if where in (sp.true, True) else f"if ({self.pr(where)}) "\n        target = getattr(',
+      '        guard = ""\n        target = getattr(',
+      "a reduction's `where=` is not applied in the element-by-element fold: elements it excludes (a -inf logit "
+      "in an entropy's sum of w * z) are folded in, and the row's entropy is NaN",
+      ("tests/test_user_specs.py",), ),
 ]
