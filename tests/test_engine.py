@@ -48,6 +48,7 @@ POISON = {
     "tempered_entropy": [("x", "-inf row"), ("x", "-inf some")],
     "vocab_topk": [("logits", "-inf row"), ("logits", "-inf some")],
     "causal_attention": [("lens", "zero row")],
+    "rbf_attention": [("lens", "zero row")],
     "mla_decode": [("cache_seqlens", "zero row")],
 }
 

@@ -706,4 +706,18 @@ MUTANTS: list[Mutant] = [
       "a reduction's `where=` is not applied in the element-by-element fold: elements it excludes (a -inf logit "
       "in an entropy's sum of w * z) are folded in, and the row's entropy is NaN",
       ("tests/test_user_specs.py",), ),
+    # the row kernel's blocked contraction and fold (a score that is no product of a row and a streamed factor:
+    # tests/specs/rbf_attention.yaml's squared distance)
+    M("cpu-blocked-fold-drops-fourth-key", "generator/codegen/cpu.py",
+      "for w, v in zip(ws, vs))};\")",
+      "for w, v in zip(ws[:-1], vs[:-1]))};\")",
+      "the fold over free indices that takes four elements at a time adds three of them: every fourth key's value "
+      "is missing from the attention output (its weight still in the denominator)",
+      ("tests/test_user_specs.py",), ),
+    M("cpu-blocked-contraction-tail-dropped", "generator/codegen/cpu.py",
+      'self.scalar_contraction(buf, c, scalar_body, "cn", start="jb")',
+      'self.scalar_contraction(buf, c, scalar_body, "jb", start="jb")',
+      "the contraction computed four elements at a time skips the chunk's last elements (its length not a multiple "
+      "of four): their scores are stale values of the buffer",
+      ("tests/test_user_specs.py",), ),
 ]
