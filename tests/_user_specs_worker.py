@@ -5,7 +5,8 @@ Run as `python tests/_user_specs_worker.py LIB SPECS_DIR SEED DRAWS`: loads LIB 
 torch.ops.redfuser, so it runs in its own process, apart from an installed redfuser_ops), and for every spec in
 SPECS_DIR, every specialisation (case) and every CPU dtype of the spec draws DRAWS problems: small sizes from the
 engine's random_problem, the reduced axis long enough for more than one of the kernels' chunks, inputs
-rounded to the dtype before the reference sees them. Prints one JSON object: {op: {"calls": n, "failures": [...]}}.
+rounded to the dtype before the reference sees them, every third call's inputs strided, every fourth call's with
+special values. Prints one JSON object: {op: {"calls": n, "failures": [...]}}.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout's generator (the engine's plain math)
+
+from layouts import layout
 
 from generator.spec import load_spec
 from generator.symbolic import derive
@@ -154,8 +157,9 @@ def _drop_rows(spec, name: str, v, ties):
     return np.where(np.broadcast_to(mask.reshape(shape), v.shape), np.nan, v.astype(np.float64))
 
 
-def _call_args(spec, case, prob, dtype: str, rng: random.Random):
-    """The op's positional arguments (spec order) and the problem with its float tensors rounded to dtype."""
+def _call_args(spec, case, prob, dtype: str, rng: random.Random, strided: bool):
+    """The op's positional arguments (spec order) and the problem with its float tensors rounded to dtype; strided:
+    each tensor transposed in memory or every other element of a dimension twice as long (tests/layouts.py)."""
 
     special = dict(case.ir.specialization)
     args, tensors = [], dict(prob.tensors)
@@ -168,7 +172,7 @@ def _call_args(spec, case, prob, dtype: str, rng: random.Random):
             else:
                 t = torch.from_numpy(arr).to(getattr(torch, dtype))
                 tensors[a.name] = t.double().numpy()
-            args.append(t)
+            args.append(layout(t, rng) if strided else t)
         elif a.name in special:
             args.append(special[a.name])
         elif a.name in prob.scalars:
@@ -201,7 +205,7 @@ def check_spec(spec_path: Path, seed: int, draws: int) -> tuple[str, dict]:
                 special = n % 4 == 3
                 if special:
                     _special_values(prob, rng)
-                args, prob = _call_args(spec, case, prob, dtype, rng)
+                args, prob = _call_args(spec, case, prob, dtype, rng, strided=n % 3 == 1)
                 torch.set_num_threads(1 + n % 2)  # the parallel split as well as one thread
                 out = fn(*args)
                 outs = out if isinstance(out, (tuple, list)) else (out,)

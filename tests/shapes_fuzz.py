@@ -45,12 +45,10 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def layout(x: torch.Tensor, rng: random.Random) -> torch.Tensor:
-    """x as it is, transposed, or every other element of a twice-as-long dimension (test_fuzz's layouts, along a
-    random dimension; not its expanded one, which would repeat the values)."""
-    from test_fuzz import make
+    """x as it is, transposed, or every other element of a twice-as-long dimension (tests/layouts.py)."""
+    from layouts import layout as draw
 
-    return make(x.shape, x.dtype, rng.choice(["contiguous", "transposed", "sliced"]), rng.randrange(x.dim()), None,
-                values=x)
+    return draw(x, rng)
 
 
 def fit(Sq: int, Sk: int, rest: int) -> tuple[int, int]:

@@ -21,6 +21,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from layouts import LAYOUTS, make
 
 from redfuser_ops import reference as ref
 
@@ -89,38 +90,6 @@ def worker():
     w.start()
     yield w
     w.close()
-
-
-# --------------------------------------------------------------------------------------------- layouts
-LAYOUTS = ["contiguous", "transposed", "sliced", "expanded"]
-
-
-def make(shape, dtype, layout, dim, gen, values=None):
-    """A tensor of `shape` and `dtype` laid out as `layout` along dim `dim` (values from `values` when given)."""
-    shape = tuple(shape)
-    nd = len(shape)
-    if values is None:
-        base = torch.randn(shape, generator=gen)
-        if dtype == torch.float8_e4m3fn:
-            base = base.clamp(-400, 400)
-        base = base.to(dtype) if dtype.is_floating_point else (base * 4).to(dtype)
-    else:
-        base = values.to(dtype)
-    if nd == 0 or layout == "contiguous":
-        return base.contiguous()
-    d = dim % nd
-    if layout == "transposed" and nd >= 2:
-        e = (d + 1) % nd
-        return base.transpose(d, e).contiguous().transpose(d, e)
-    if layout == "sliced":
-        big = torch.zeros(shape[:d] + (2 * shape[d],) + shape[d + 1:], dtype=dtype)
-        sl = [slice(None)] * nd
-        sl[d] = slice(0, None, 2)
-        big[tuple(sl)] = base
-        return big[tuple(sl)]
-    if layout == "expanded" and shape[d] > 0:
-        return base.narrow(d, 0, 1).expand(shape)
-    return base.contiguous()
 
 
 def mentions(message, names):
