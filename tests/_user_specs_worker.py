@@ -6,7 +6,7 @@ torch.ops.redfuser, so it runs in its own process, apart from an installed redfu
 SPECS_DIR, every specialisation (case) and every CPU dtype of the spec draws DRAWS problems: small sizes from the
 engine's random_problem, the reduced axis long enough for more than one of the kernels' chunks, inputs
 rounded to the dtype before the reference sees them, every third call's inputs strided, every fourth call's with
-special values. Prints one JSON object: {op: {"calls": n, "failures": [...]}}.
+special values; from the first call of each case and dtype, bad inputs (check_bad_inputs). Prints one JSON object: {op: {"calls": n, "failures": [...]}}.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from layouts import layout
 
 from generator.spec import load_spec
 from generator.symbolic import derive
-from generator.symbolic.evaluate import random_problem
+from generator.symbolic.evaluate import _domain, random_problem
 from generator.symbolic.expr import Cast
 from generator.symbolic.oracle import evaluate_plain, judge
 
@@ -160,7 +160,6 @@ def _drop_rows(spec, name: str, v, ties):
 def _call_args(spec, case, prob, dtype: str, rng: random.Random, strided: bool):
     """The op's positional arguments (spec order) and the problem with its float tensors rounded to dtype; strided:
     each tensor transposed in memory or every other element of a dimension twice as long (tests/layouts.py)."""
-
     special = dict(case.ir.specialization)
     args, tensors = [], dict(prob.tensors)
     for a in spec.args:
@@ -184,8 +183,95 @@ def _call_args(spec, case, prob, dtype: str, rng: random.Random, strided: bool):
     return args, type(prob)(prob.sizes, prob.scalars, tensors)
 
 
-def check_spec(spec_path: Path, seed: int, draws: int) -> tuple[str, dict]:
+def _bad_calls(spec, args: list, prob) -> list[tuple[str, list, str, object]]:
+    """(what, arguments, the name the error must give, None or the problem they are) for inputs derived from the
+    spec: each tensor in a dtype it does not allow and with a dimension fewer, a size that disagrees with an axis an
+    earlier tensor fixed (all refused), an index value just outside its declared domain (refused where the value
+    is used as an index or a length; a value only compared, a class target, is legal: then the problem to judge)."""
+    out, fixed = [], set()
+    env = {_symbol(n): v for n, v in prob.sizes.items()}
+    for i, a in enumerate(spec.args):
+        if not hasattr(a, "shape"):
+            continue
+        t = args[i]
+        other = torch.float64 if t.is_floating_point() else torch.float32
+        out.append((f"{a.name} as {other}", _with(args, i, t.to(other)), a.name, None))
+        out.append((f"{a.name} with a dimension fewer", _with(args, i, t[0]), a.name, None))
+        for d, ax in enumerate(a.shape):
+            if ax in fixed:
+                shape = list(t.shape)
+                shape[d] += 1
+                out.append((f"{a.name}.size({d}) not {ax}", _with(args, i, torch.zeros(shape, dtype=t.dtype)), a.name,
+                            None))
+        fixed |= set(a.shape)
+        if a.values and not t.is_floating_point():
+            lo, hi = _domain(a.values, env)
+            for v in (lo - 1, hi + 1):
+                u = t.clone()
+                u.view(-1)[0] = v
+                moved = dict(prob.tensors)
+                moved[a.name] = u.long().numpy()
+                out.append((f"{a.name} holding {v}, outside {a.values}", _with(args, i, u), a.name,
+                            type(prob)(prob.sizes, prob.scalars, moved)))
+    return out
 
+
+def _symbol(name: str):
+    import sympy as sp
+
+    return sp.Symbol(name)
+
+
+def _with(args: list, i: int, t) -> list:
+    out = list(args)
+    out[i] = t
+    return out
+
+
+def check_bad_inputs(spec, ir, fn, args: list, prob, dtype: str, casts: bool) -> list[str]:
+    """Each bad call must raise a RuntimeError that names the op and the argument (not crash), or, for a value
+    outside a domain that the op does not refuse, give the plain math's result of it (judge_call)."""
+    problems = []
+    for what, bad, name, legal in _bad_calls(spec, args, prob):
+        try:
+            out = fn(*bad)
+        except RuntimeError as e:
+            msg = str(e)
+            if f"redfuser::{spec.name}" not in msg or name not in msg:
+                problems.append(f"{what}: the error does not name {name}: {msg.splitlines()[0][:200]}")
+            continue
+        if legal is None:
+            problems.append(f"{what}: no error")
+        else:
+            problems += [f"{what}: {p}" for p in judge_call(spec, ir, legal, out, dtype, casts, 0, {})]
+    return problems
+
+
+def judge_call(spec, ir, prob, out, dtype: str, casts: bool, seed: int, totals: dict) -> list[str]:
+    """One call's outputs against the plain math of its (dtype-rounded) problem: judge()'s rule, or where the math
+    rounds _judge_rounding's; integer outputs equal, rows tied at float32's resolution not judged."""
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    got = {o.name: t.double().numpy() if t.is_floating_point() else t.long().numpy()
+           for o, t in zip(spec.outputs, outs)}
+    ref = evaluate_plain(ir, prob, round_casts=True)
+    exact = evaluate_plain(ir, prob) if casts else ref
+    ints = {k for k, v in got.items() if v.dtype.kind in "iu"}
+    if ints:  # a selection
+        ties = _tied_rows(spec, ir, prob, ref, ints, np.random.default_rng(seed))
+        ref = {k: _drop_rows(spec, k, v, ties) for k, v in ref.items()}
+        exact = {k: _drop_rows(spec, k, v, ties) for k, v in exact.items()}
+    floats = {k: ref[k] for k in ref if k not in ints}
+    problems = judge(floats, got, RTOL[dtype]) if not casts else _judge_rounding(floats, exact, got, RTOL[dtype],
+                                                                                 totals)
+    for k in ints:
+        r = ref[k]
+        ok = ~np.isnan(r)
+        if r.shape != got[k].shape or not np.array_equal(got[k][ok], r[ok].astype(np.int64)):
+            problems.append(f"{k}: {got[k].tolist()} where the plain math gives {r.tolist()}")
+    return problems
+
+
+def check_spec(spec_path: Path, seed: int, draws: int) -> tuple[str, dict]:
     spec = load_spec(spec_path)
     op = derive(spec)
     fn = getattr(torch.ops.redfuser, spec.name)
@@ -202,31 +288,15 @@ def check_spec(spec_path: Path, seed: int, draws: int) -> tuple[str, dict]:
                     prob = random_problem(case.ir, rng, max_size=6, fixed=fixed)
                 except ValueError:  # the spec's checks reject that length (e.g. a multiple of 16)
                     prob = random_problem(case.ir, rng, max_size=6)
-                special = n % 4 == 3
-                if special:
+                if n % 4 == 3:
                     _special_values(prob, rng)
                 args, prob = _call_args(spec, case, prob, dtype, rng, strided=n % 3 == 1)
                 torch.set_num_threads(1 + n % 2)  # the parallel split as well as one thread
-                out = fn(*args)
-                outs = out if isinstance(out, (tuple, list)) else (out,)
-                got = {o.name: t.double().numpy() if t.is_floating_point() else t.long().numpy()
-                       for o, t in zip(spec.outputs, outs)}
-                ref = evaluate_plain(case.ir, prob, round_casts=True)
-                exact = evaluate_plain(case.ir, prob) if casts else ref
                 where = f"[{case.ir.label}] {dtype} sizes {prob.sizes} scalars {prob.scalars} (draw {n})"
-                ints = {k for k, v in got.items() if v.dtype.kind in "iu"}
-                if ints:  # a selection: rows tied at float32's resolution are not judged
-                    ties = _tied_rows(spec, case.ir, prob, ref, ints, np.random.default_rng(n))
-                    ref = {k: _drop_rows(spec, k, v, ties) for k, v in ref.items()}
-                    exact = {k: _drop_rows(spec, k, v, ties) for k, v in exact.items()}
-                floats = {k: ref[k] for k in ref if k not in ints}
-                problems = judge(floats, got, RTOL[dtype]) if not casts else _judge_rounding(
-                    floats, exact, got, RTOL[dtype], totals)
-                for k in ints:
-                    r = ref[k]
-                    ok = ~np.isnan(r)
-                    if r.shape != got[k].shape or not np.array_equal(got[k][ok], r[ok].astype(np.int64)):
-                        problems.append(f"{k}: {got[k].tolist()} where the plain math gives {r.tolist()}")
+                if n == 0:  # bad inputs made from this call's
+                    failures += [f"{where}, bad input: {p}"
+                                 for p in check_bad_inputs(spec, case.ir, fn, args, prob, dtype, casts)]
+                problems = judge_call(spec, case.ir, prob, fn(*args), dtype, casts, n, totals)
                 calls += 1
                 if problems:
                     failures.append(f"{where}: {'; '.join(problems)}")
@@ -236,7 +306,6 @@ def check_spec(spec_path: Path, seed: int, draws: int) -> tuple[str, dict]:
 
 
 def main(argv: list[str]) -> int:
-
     lib, specs_dir, seed, draws = argv[0], Path(argv[1]), int(argv[2]), int(argv[3])
     torch.ops.load_library(lib)
     report = dict(check_spec(p, seed, draws) for p in sorted(specs_dir.glob("*.yaml")))
