@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import sympy as sp
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +25,7 @@ sys.path.insert(0, str(ROOT))  # the checkout's generator (the engine's plain ma
 
 from layouts import layout
 
-from generator.spec import load_spec
+from generator.spec import TensorArg, load_spec
 from generator.symbolic import derive
 from generator.symbolic.evaluate import _domain, random_problem
 from generator.symbolic.expr import Cast
@@ -45,6 +46,7 @@ def _over_axis(spec) -> str | None:
 
 def _has_casts(op) -> bool:
     """Whether the math rounds somewhere (a cast in a let, a reduction or an output value)."""
+
     def walk(e) -> bool:
         return isinstance(e, Cast) or any(walk(a) for a in getattr(e, "args", ()))
 
@@ -90,7 +92,6 @@ def _special_values(prob, rng: random.Random) -> None:
     """Every fourth draw: each float tensor (in place) gets one of the values that the kernels handle apart from the
     rest: ties (a few values, for the lower-index rule of selections), a leading run of -inf in each row (masked
     elements, and rows of nothing but -inf), -inf scattered, signed zeros."""
-
     for arr in prob.tensors.values():
         if arr.dtype.kind != "f" or arr.size == 0:
             continue
@@ -110,7 +111,6 @@ def _special_values(prob, rng: random.Random) -> None:
 
 def _moved(v, rng):
     """v with each distinct value moved by about 1e-6 of itself (equal values alike: exact ties stay ties)."""
-
     uniq, inv = np.unique(v, return_inverse=True)
     with np.errstate(invalid="ignore"):
         return (uniq * (1 + 1e-6 * rng.standard_normal(uniq.shape)))[inv].reshape(v.shape)
@@ -127,7 +127,6 @@ def _tied_rows(spec, ir, prob, ref: dict, ints: set, rng):
     less than float32 resolves (sigmoid(x) + bias of two experts 3e-8 apart in float64, equal in float32), where
     the kernel's order of the two is its rounding's and not the lower-index rule's of the float64 math. Returns
     (row index names, a boolean array over them)."""
-
     name = min(ints)
     dims = _row_dims(spec, name)
     axes = tuple(i for i, _ in dims)
@@ -144,7 +143,6 @@ def _tied_rows(spec, ir, prob, ref: dict, ints: set, rng):
 
 def _drop_rows(spec, name: str, v, ties):
     """The output with the tied rows' values NaN (not judged); an output over other row indices is kept."""
-
     names, tied = ties
     dims = _row_dims(spec, name)
     if not tied.any() or sorted(x for _, x in dims) != sorted(names):
@@ -163,9 +161,9 @@ def _call_args(spec, case, prob, dtype: str, rng: random.Random, strided: bool):
     special = dict(case.ir.specialization)
     args, tensors = [], dict(prob.tensors)
     for a in spec.args:
-        if hasattr(a, "shape"):  # a tensor argument
+        if isinstance(a, TensorArg):
             arr = prob.tensors[a.name]
-            dts = a.dtypes or next(t.dtypes for t in spec.tensors if t.name == a.same_as)
+            dts = a.dtypes or spec.arg(a.same_as).dtypes
             if arr.dtype.kind in "iu":
                 t = torch.from_numpy(arr).to(getattr(torch, rng.choice([d for d in dts if d.startswith("int")])))
             else:
@@ -189,9 +187,9 @@ def _bad_calls(spec, args: list, prob) -> list[tuple[str, list, str, object]]:
     earlier tensor fixed (all refused), an index value just outside its declared domain (refused where the value
     is used as an index or a length; a value only compared, a class target, is legal: then the problem to judge)."""
     out, fixed = [], set()
-    env = {_symbol(n): v for n, v in prob.sizes.items()}
+    env = {sp.Symbol(n): v for n, v in prob.sizes.items()}
     for i, a in enumerate(spec.args):
-        if not hasattr(a, "shape"):
+        if not isinstance(a, TensorArg):
             continue
         t = args[i]
         other = torch.float64 if t.is_floating_point() else torch.float32
@@ -214,12 +212,6 @@ def _bad_calls(spec, args: list, prob) -> list[tuple[str, list, str, object]]:
                 out.append((f"{a.name} holding {v}, outside {a.values}", _with(args, i, u), a.name,
                             type(prob)(prob.sizes, prob.scalars, moved)))
     return out
-
-
-def _symbol(name: str):
-    import sympy as sp
-
-    return sp.Symbol(name)
 
 
 def _with(args: list, i: int, t) -> list:

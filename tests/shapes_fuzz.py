@@ -39,16 +39,10 @@ if str(_TESTS) not in sys.path:
     sys.path.insert(0, str(_TESTS))
 
 import torch
+from layouts import layout
 
 OPS = ("fa", "sw", "mla", "fp8", "row", "topk", "moe")
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def layout(x: torch.Tensor, rng: random.Random) -> torch.Tensor:
-    """x as it is, transposed, or every other element of a twice-as-long dimension (tests/layouts.py)."""
-    from layouts import layout as draw
-
-    return draw(x, rng)
 
 
 def fit(Sq: int, Sk: int, rest: int) -> tuple[int, int]:

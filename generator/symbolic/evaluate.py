@@ -159,37 +159,19 @@ def random_problem(
 
 
 # --------------------------------------------------------------------------------------------- rounding casts
-def _round_float32(x: Any) -> np.ndarray:
-    return np.asarray(x, dtype=np.float64).astype(np.float32).astype(np.float64)
+def round_cast(dtype: str, x: Any) -> np.ndarray:
+    """x rounded as a cast to dtype rounds it (float64 values, first held in float32 as the kernels hold them; to
+    nearest even; e4m3 saturating at +-448), by ml_dtypes as tests/tl_interp.py rounds (it comes with TileLang, a
+    build and test requirement; imported here only where an Evaluator rounds)."""
+    import ml_dtypes
 
-
-def _round_float16(x: Any) -> np.ndarray:
-    """From float32, as the kernels hold the value (float64 straight to float16 rounds some subnormals otherwise)."""
-    with np.errstate(over="ignore"):
-        return np.asarray(x, dtype=np.float64).astype(np.float32).astype(np.float16).astype(np.float64)
-
-
-def _round_bfloat16(x: Any) -> np.ndarray:
-    """Round to nearest even on float32's bits (float64 first rounded to float32, as the kernels hold it)."""
     f = np.asarray(x, dtype=np.float64).astype(np.float32)
-    bits = f.view(np.uint32).astype(np.uint64)
-    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
-    out = bits.view(np.float32).astype(np.float64)
-    return np.where(np.isnan(f), np.nan, out)
-
-
-def _round_e4m3(x: Any) -> np.ndarray:
-    """float8 e4m3fn, saturating: clamped to +-448, then to nearest even on the grid of its binade (3 mantissa
-    bits; below 2^-6 the subnormal step 2^-9), from float32 as the kernels hold the value."""
-    v = np.clip(np.asarray(x, dtype=np.float64).astype(np.float32).astype(np.float64), -448.0, 448.0)
-    _, e = np.frexp(np.abs(v))  # |v| = m * 2^e, m in [0.5, 1)
-    step = np.exp2(np.maximum(e - 1, -6) - 3.0)
-    with np.errstate(invalid="ignore"):
-        return np.where(np.isnan(v), np.nan, np.round(v / step) * step)
-
-
-ROUNDING = {"float32": _round_float32, "float16": _round_float16, "bfloat16": _round_bfloat16,
-            "float8_e4m3fn": _round_e4m3}
+    if dtype == "float8_e4m3fn":
+        f = np.where(np.isnan(f), f, np.clip(f, -448.0, 448.0))
+    target = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
+              "float8_e4m3fn": ml_dtypes.float8_e4m3fn}[dtype]
+    with np.errstate(over="ignore"):
+        return f.astype(target).astype(np.float64)
 
 
 # --------------------------------------------------------------------------------------------- expressions
@@ -274,7 +256,7 @@ class Evaluator:
             return lift(lambda x: 1.0 / (1.0 + np.exp(-x)), self.ev(expr.args[0], env))
         if isinstance(expr, Cast):
             inner = self.ev(expr.args[0], env)
-            return lift(ROUNDING[expr.dtype], inner) if self.round_casts else inner
+            return lift(lambda v: round_cast(expr.dtype, v), inner) if self.round_casts else inner
         if isinstance(expr, (sp.Max, sp.Min)):
             fn = np.maximum if isinstance(expr, sp.Max) else np.minimum
             out = self.ev(expr.args[0], env)
