@@ -29,6 +29,16 @@ from ..symbolic.expr import (
 from ..symbolic.forms import Analysis, OpAnalysis, ReductionForm, element_atoms
 from ..symbolic.order import Condition, increasing_in
 from .cpp import CppPrinter, float_literal, let_type
+from .cpu_params import (
+    CHUNK,
+    LANES,
+    ROW_CHUNK,
+    ROW_TASK_ELEMENTS,
+    SEL_CHUNK,
+    TARGET_CLONES,
+    TCACHE_MAX,
+    UNROLL,
+)
 from .cpu_tiles import (
     RBLK,
     block_chunk,
@@ -39,14 +49,6 @@ from .cpu_tiles import (
     emit_fold_weights,
     split_axis,
 )
-
-CHUNK = 64
-ROW_CHUNK = 512  # the chunk of plain row kernels (see CpuKernel.chunk)
-SEL_CHUNK = 256  # the chunk of row kernels with a selection: rf::sel_candidates finds k candidates per chunk
-LANES = 16  # partial results of a branch-free reduction over a chunk (one vector of floats on AVX-512)
-UNROLL = 4  # elements of a chunk that share one pass over a contraction axis or a free axis
-ROW_TASK_ELEMENTS = 1 << 16  # elements of the streamed axis per task of a row kernel (its grain in rows follows)
-TCACHE_MAX = 1 << 18  # longest row whose summed terms are kept for its per-element outputs (1 MiB of floats)
 
 
 @dataclass
@@ -61,13 +63,6 @@ class TermCache:
     ratios: dict[str, sp.Expr]
 
 
-# one copy of each kernel per x86-64 level, chosen at load time (glibc ifunc): AVX-512 / AVX2+FMA / baseline,
-# so that one wheel runs everywhere and the inner loops use the widest vectors the CPU has
-TARGET_CLONES = (
-    '#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)\n'
-    '__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))\n'
-    '#endif\n'
-)
 CPP_TYPES = {
     "float32": "float",
     "float16": "rf::half_t",

@@ -32,6 +32,7 @@ import sympy as sp
 from ..spec import DTYPE_BYTES
 from ..symbolic.expr import Cast, cast_float32
 from .cpp import let_type
+from .cpu_params import CHUNK, TARGET_CLONES, UNROLL
 
 RBLK = 128  # most rows of one block (the M side of the GEMM tiles)
 SHARE_ROWS = 32  # blocks smaller than this are not split in two per thread (block_dispatch)
@@ -92,7 +93,6 @@ def block_chunk(k) -> int:
     than 128 on both. The rule also gives 256 to decode (no mask), where runs are a GQA group of a few rows and
     nothing is amortised: 5-8 % slower at 4 rows per run (memory-bound; the chunk is fixed when the kernel is
     emitted, the run length known only at run time)."""
-    from .cpu import CHUNK
 
     if any(_nt_fold(k, g) for g in k.plan.folds.values()):
         return WCHUNK
@@ -107,7 +107,6 @@ def _nt_fold(k, g: GemmFold) -> bool:
 
 def _ntile(k) -> int:
     """Rows of n per packed tile of an NT fold: the tile stays at NTILE x CHUNK floats."""
-    from .cpu import CHUNK
 
     return max(16, NTILE * CHUNK // k.chunk)
 
@@ -583,7 +582,6 @@ def emit_blocked(k, head: str) -> str:
     k.end()
     k.end()
     body = "\n".join(k.lines)
-    from .cpu import TARGET_CLONES
 
     return (f"// specialisation {ir.label} (blocks of rows sharing the streamed operand, GEMM tiles)\n{head}"
             f"{TARGET_CLONES}static void blocks_case{k.index}(const Args& A, int64_t blk_begin, int64_t blk_end, "
@@ -892,7 +890,6 @@ def _one_row(k, flags: str, parts, axis: str, fold: str | None) -> None:
     for all of them (one pass over `axis` serves them all), else one at a time. parts(u) gives (lines before the
     axis loop, the element's term in it, lines after it) for element jb + u; with `fold`, the terms are summed
     into `fold + ...` per axis index, else each term is a statement."""
-    from .cpu import UNROLL
 
     ir, ch = k.ir, k.chunk
     bind_row(k, "r0", light=True)

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 # files whose change reaches the CPU-only library (the generated C++ kernels and glue, the runtime)
 # (and the package's own Python, redfuser_ops/, which the tests import from the install: a mutant there is installed)
-BUILD_INPUTS = ("ops_src/", "generator/codegen/cpu.py", "generator/codegen/cpu_tiles.py", "generator/codegen/cpp.py",
-                "generator/codegen/glue.py", "generator/codegen/pyapi.py", "generator/codegen/emit.py", "redfuser_ops/")
+BUILD_INPUTS = ("ops_src/", "generator/codegen/cpu.py", "generator/codegen/cpu_tiles.py", "generator/codegen/cpu_params.py",
+                "generator/codegen/cpp.py", "generator/codegen/glue.py", "generator/codegen/pyapi.py",
+                "generator/codegen/emit.py", "redfuser_ops/")
 
 
 @dataclass(frozen=True)
