@@ -218,6 +218,9 @@ def test_explain_prints_the_online_softmax():
         ("sin_product", "y", "decomposable", "sin(m_new*x[t, e])/sin(m_old*x[t, e]) depends on x[t, e]"),
         ("max_unknown_sign", "y", "distributive", "the factor total_new/total_old has unknown sign"),
         ("later_dependency", "l", "dependency order", "depends on 'm', which is reduced later"),
+        # a selection's entries are never corrected (the CPU emitter's correct() relies on it)
+        ("corrected_topk_key", "top", "exact order", "the key exp(-m + y) of a selection would be corrected"),
+        ("corrected_topk_payload", "top", "exact order", "a payload of the selection would be corrected as m"),
     ],
 )
 def test_rejections_name_reduction_condition_and_expression(name, reduction, condition, detail):

@@ -1120,11 +1120,9 @@ class _Kernel:
             cname = f"cr_{f.name}" + (f"_{payload}" if payload else "")
             self.emit(f"const float {cname} = {self.pr.flt(c)};")
             op = "*" if kind == "*" else "+"
-            if f.selection:
-                arr = f"st_{f.name}_key" if payload is None else f"st_{f.name}_pl_{payload}"
-                size = " * ".join([f"ex_{n}" for n in f.free] or ["int64_t(1)"]) + f" * K_{f.name}"
-                self.emit(f"for (int64_t r = 0; r < {size}; ++r) if (st_{f.name}_ok[r]) {arr}[r] = {arr}[r] {op} {cname};")
-            elif f.free:
+            if f.selection:  # the engine refuses a corrected key or payload (forms._classify): entries stay as chosen
+                raise ValueError(f"{self.ir.op}: selection '{f.name}' has a correction; the engine refuses those")
+            if f.free:
                 lo, hi = self.state_span(f)
                 # x * 1 is x, bit for bit (-0, inf and NaN included): a factor of exactly 1 (the running max did not
                 # move, as in most chunks after the first) skips the pass over the state (a quantised GEMM's row of
