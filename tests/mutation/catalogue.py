@@ -669,6 +669,22 @@ MUTANTS: list[Mutant] = [
       "each task of a column-split row stores every column of the output, the others' from states it never "
       "folded: columns race to values without the weights",
       ("tests/test_fp8_quant_gemm.py", "tests/test_mla_decode.py", "-k", "threads"), ),
+    M("expr-is-none-reads-as-is-not-none", "generator/symbolic/expr.py",
+      "            return present if isinstance(op, ast.IsNot) else not present\n", "            return present\n",
+      "a spec's `x is None` means `x is not None`: an op written with `bias[e] if bias is None ...` the other way "
+      "round (no shipped spec writes `is None`) reads the bias where it is absent and drops it where given",
+      ("tests/test_spec_expressions.py",), cheap=True),
+    M("expr-or-parsed-as-and", "generator/symbolic/expr.py",
+      "        return sp.And(*out) if is_and else sp.Or(*out)\n", "        return sp.And(*out)\n",
+      "`a or b` of two conditions on values becomes `a and b`: a mask or where= written with `or` hides the "
+      "elements that meet only one side (fp8_quant_gemm's check `NS == N or NS == 1` refuses every call)",
+      ("tests/test_spec_expressions.py",), cheap=True),
+    M("expr-where-branches-swapped", "generator/symbolic/expr.py",
+      "            return sp.Piecewise((args[1], args[0]), (args[2], True))\n",
+      "            return sp.Piecewise((args[2], args[0]), (args[1], True))\n",
+      "where(c, a, b) gives b where c holds: the cross-entropy's target logit sum(where(e == target, x, 0)) "
+      "becomes the sum of every other logit",
+      ("tests/test_spec_expressions.py",), cheap=True),
     M("order-negative-coefficient", "generator/symbolic/order.py",
       "            return c if (coef.is_positive and coef.is_finite) else None\n",
       "            return c if coef.is_finite else None\n",
