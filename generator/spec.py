@@ -7,6 +7,7 @@ The spec format is documented for users in specs/README.md.
 
 from __future__ import annotations
 
+import keyword
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,9 @@ REDUCTION_OPS = ("sum", "max", "min", "argmax", "topk")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Literals and keywords of the expression language: no axis, argument, index or let may take them. Function
 # names (exp, topk, ...) are not reserved: a name is a function only where it is called.
-RESERVED = frozenset(["True", "False", "None", "and", "or", "not", "if", "else", "is", "in", "inf", "nan"])
+# Python's keywords (expressions are parsed as Python, and every name becomes a parameter of the generated Python
+# API: an argument named `lambda` made the installed package fail to import) and the constants inf and nan
+RESERVED = frozenset(keyword.kwlist) | {"inf", "nan"}
 
 
 # --------------------------------------------------------------------------------------------- YAML with lines
@@ -363,10 +366,10 @@ def _args(ctx: _Ctx, node: Any, axes: set[str]) -> tuple[TensorArg | ScalarArg, 
             raise SpecError(ctx.at(entry, path), "a str argument must list its choices")
         has_default = "default" in entry
         default = entry.get("default")
-        if has_default and not (default is None and optional) and not _default_ok(type_, default, choices):
-            raise SpecError(ctx.loc(entry, "default", path), f"default {default!r} does not fit type '{raw}'")
         if has_default and default is None and not optional:
             raise SpecError(ctx.loc(entry, "default", path), "only optional ('?') arguments may default to null")
+        if has_default and default is not None and not _default_ok(type_, default, choices):
+            raise SpecError(ctx.loc(entry, "default", path), f"default {default!r} does not fit type '{raw}'")
         when_null = None
         if "when_null" in entry:
             if not optional:

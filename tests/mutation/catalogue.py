@@ -37,7 +37,7 @@ class Mutant:
 
     @property
     def area(self) -> str:
-        if self.path.startswith("generator/symbolic/"):
+        if self.path.startswith("generator/symbolic/") or self.path == "generator/spec.py":  # the spec is its input
             return "engine"
         if self.path.startswith("generator/codegen/templates/") or self.path == "generator/codegen/bridge.py":
             return "cuda"
@@ -685,6 +685,22 @@ MUTANTS: list[Mutant] = [
       "where(c, a, b) gives b where c holds: the cross-entropy's target logit sum(where(e == target, x, 0)) "
       "becomes the sum of every other logit",
       ("tests/test_spec_expressions.py",), cheap=True),
+    M("spec-fixed-size-zero-accepted", "generator/spec.py",
+      "            if dim < 1:\n", "            if dim < 0:\n",
+      "a spec's fixed dimension of 0 is taken: every call of the op must then pass an empty tensor there, and the "
+      "glue and kernels are built around an axis that cannot hold an element",
+      ("tests/test_spec_validation.py",), cheap=True),
+    M("spec-required-after-default", "generator/spec.py",
+      "        if seen_default and not has:\n", "        if False:\n",
+      "an argument without a default after one with a default is taken: the op's torch schema and Python API "
+      "(defaults last) cannot be written, and the failure comes at load time, not from the spec",
+      ("tests/test_spec_validation.py",), cheap=True),
+    M("spec-python-keywords-as-names", "generator/spec.py",
+      'RESERVED = frozenset(keyword.kwlist) | {"inf", "nan"}\n',
+      'RESERVED = frozenset(["True", "False", "None", "and", "or", "not", "if", "else", "is", "in", "inf", "nan"])\n',
+      "a name that is a Python keyword (an argument `lambda`) passes the spec check, and the generated Python API "
+      "does not compile: the installed package fails to import",
+      ("tests/test_spec_validation.py",), cheap=True),
     M("order-negative-coefficient", "generator/symbolic/order.py",
       "            return c if (coef.is_positive and coef.is_finite) else None\n",
       "            return c if coef.is_finite else None\n",
