@@ -138,13 +138,6 @@ int32_t to_int32(std::string_view op, std::string_view what, int64_t value);
 void check_fits_int32(std::string_view op, std::string_view arg, const Tensor& t,
                       bool numel_too = false);
 
-// Applies `check` to an optional tensor when present. Usage:
-//   if_present(bias, [&](const Tensor& b) { check_dtype(op, "bias", b, {ScalarType::Float}); });
-template <class F>
-inline void if_present(const std::optional<Tensor>& t, F&& check) {
-  if (t.has_value() && t->defined()) check(*t);
-}
-
 // ============================================================================================
 // Value domains of index tensors (spec key `values`, e.g. block_table "[0, NB)")
 // ============================================================================================

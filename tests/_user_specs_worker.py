@@ -161,7 +161,9 @@ def _call_args(spec, case, prob, dtype: str, rng: random.Random, strided: bool):
     special = dict(case.ir.specialization)
     args, tensors = [], dict(prob.tensors)
     for a in spec.args:
-        if isinstance(a, TensorArg):
+        if isinstance(a, TensorArg) and special.get(a.name) == "absent":  # an optional tensor this case leaves out
+            args.append(None)
+        elif isinstance(a, TensorArg):
             arr = prob.tensors[a.name]
             dts = a.dtypes or spec.arg(a.same_as).dtypes
             if arr.dtype.kind in "iu":
@@ -192,6 +194,8 @@ def _bad_calls(spec, args: list, prob) -> list[tuple[str, list, str, object]]:
         if not isinstance(a, TensorArg):
             continue
         t = args[i]
+        if t is None:  # an optional tensor left out of this case
+            continue
         other = torch.float64 if t.is_floating_point() else torch.float32
         out.append((f"{a.name} as {other}", _with(args, i, t.to(other)), a.name, None))
         out.append((f"{a.name} with a dimension fewer", _with(args, i, t[0]), a.name, None))

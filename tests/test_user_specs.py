@@ -1,6 +1,7 @@
 """A new op from its YAML spec alone, on the CPU: a library built from tests/specs/*.yaml alone (ops no shipped spec
 is: lets that read lets, a cast inside the cascade, per-sequence lengths in the mask, selections that carry
-payloads, `where=` sums, a squared-distance score that takes the row kernel's blocked paths) whose kernels are called through torch.ops.redfuser and judged against the engine's plain float64 math of
+payloads, `where=` sums, a squared-distance score that takes the row kernel's blocked paths, an optional tensor
+whose dtype follows another argument's) whose kernels are called through torch.ops.redfuser and judged against the engine's plain float64 math of
 each spec, its casts rounding as their dtypes do (tests/_user_specs_worker.py, in its own process: the library's
 ops register under the namespace of the installed one). The build is CPU-only, its kernels at -O0 (the release
 build's semantics, fast-math without finite-math; about 30 s on 2 cores), from a copy of this checkout's generator

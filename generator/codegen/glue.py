@@ -276,10 +276,10 @@ class _Glue:
             else:
                 allowed = ", ".join(SCALAR_TYPES[d] for d in t.dtypes)
                 body.append(f"check_dtype(kOp, \"{t.name}\", {{T}}, {{{allowed}}});")
-            if t.optional:
-                L.append(f"  if_present({t.name}, [&](const Tensor& x) {{")
-                L += ["    " + b.replace("{T}", "x") for b in body]
-                L.append("  });")
+            if t.optional:  # read as (*t): a local name for it could hide an argument the checks name (dtype: x)
+                L.append(f"  if ({t.name}.has_value() && {t.name}->defined()) {{")
+                L += ["    " + b.replace("{T}", f"(*{t.name})") for b in body]
+                L.append("  }")
                 L.append(f"  A.has_{t.name} = {t.name}.has_value() && {t.name}->defined();")
             else:
                 L.append(f"  check_defined(kOp, \"{t.name}\", {t.name});")

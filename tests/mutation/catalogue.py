@@ -753,4 +753,11 @@ MUTANTS: list[Mutant] = [
       "the contraction computed four elements at a time skips the chunk's last elements (its length not a multiple "
       "of four): their scores are stale values of the buffer",
       ("tests/test_user_specs.py",), ),
+    M("glue-optional-same-dtype-checks-itself", "generator/codegen/glue.py",
+      '                L += ["    " + b.replace("{T}", f"(*{t.name})") for b in body]\n',
+      '                L += ["    " + b.replace("{T}", f"(*{t.name})").replace(f", {t.same_as});", f", (*{t.name}));")\n'
+      '                      for b in body]\n',
+      "an optional tensor whose dtype follows another argument (dtype: x) is compared with itself, as when its "
+      "checks ran in a lambda whose parameter was named x: a weight of another dtype is read as x's type",
+      ("tests/test_user_specs.py",), ),
 ]
