@@ -124,3 +124,69 @@ def test_an_empty_spec_and_one_without_tensors_are_refused():
 
 def test_the_base_spec_parses():
     assert parse_spec(BASE, "moe_route.yaml").name == "moe_route"
+
+
+# --------------------------------------------------------------------------------------------- names in the C++ glue
+def _problems(text: str) -> list[str]:
+    from generator.codegen.emit import emitter_problems
+    from generator.symbolic import analyze
+
+    return emitter_problems(analyze(parse_spec(text, "broken.yaml")))
+
+
+@pytest.mark.parametrize("old, new, key, reason", [
+    (BIAS, BIAS.replace("bias:", "auto:"), "args.auto", "'auto' is a C++ keyword or type"),
+    (NGROUP, NGROUP.replace("n_group:", "int64_t:"), "args.int64_t", "'int64_t' is a C++ keyword or type"),
+    (BIAS, BIAS.replace("bias:", "A:"), "args.A", "'A' is a name the generated C++ glue uses"),
+    (NGROUP, NGROUP.replace("n_group:", "kind:"), "args.kind", "'kind' is a name the generated C++ glue uses"),
+    (IDS, IDS.replace("ids:", "delete:"), "outputs.delete", "'delete' is a C++ keyword or type"),
+])
+def test_a_name_the_generated_cpp_cannot_take_is_refused_at_its_line(old, new, key, reason):
+    """The glue names every argument and output by its spec name (a parameter of prepare and impl_*, a member of
+    Call): `python -m generator check` refuses the names that would not compile there, at the name's line."""
+    text = BASE.replace(old, new)
+    # the name's other uses renamed too, so that only the glue's check can refuse it
+    plain = re.search(r"^  (\w+):", old).group(1)
+    renamed = re.search(r"^  (\w+):", new).group(1)
+    text = re.sub(rf"\b{plain}\b", renamed, text)
+    problems = _problems(text)
+    assert len(problems) == 1, problems
+    line = text.count("\n", 0, re.search(rf"^  {renamed}:", text, re.MULTILINE).start()) + 1
+    assert problems[0].startswith(f"broken.yaml:{line}: {key}: "), problems
+    assert reason in problems[0], problems
+
+
+def _glue_identifiers(src: str) -> set[str]:
+    """The identifiers that the bodies of prepare and impl_cpu name unqualified (not after '.', '->' or '::')."""
+    src = re.sub(r'"(?:\\.|[^"\\])*"', '""', src)
+    src = re.sub(r"//[^\n]*", "", src)
+    out: set[str] = set()
+    for fn in ("prepare", "impl_cpu"):
+        m = re.search(rf"\b{fn}\([^)]*\)\s*{{", src)
+        assert m, fn
+        depth, i = 1, m.end()
+        while depth:
+            depth += {"{": 1, "}": -1}.get(src[i], 0)
+            i += 1
+        body = src[m.start():i]
+        out |= {w.group(1) for w in re.finditer(r"(?<![\w.:>])([A-Za-z_]\w*)", body)}
+    return out
+
+
+ALL_SPECS = sorted((ROOT / "specs").glob("*.yaml")) + sorted((ROOT / "tests" / "specs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", ALL_SPECS, ids=lambda p: p.stem)
+def test_the_glue_names_nothing_but_the_specs_names_and_its_reserved_ones(path):
+    """What keeps glue.GLUE_NAMES true: every identifier the CPU glue of every spec names unqualified in the functions
+    that take the op's arguments is one of the spec's own names, a C++ keyword or type, one of GLUE_NAMES, or a loop
+    variable of a block that reads none of the spec's names (s, d)."""
+    from generator.codegen.cpp import CPP_RESERVED
+    from generator.codegen.glue import GLUE_NAMES, glue_source
+    from generator.symbolic import analyze
+
+    op = analyze(parse_spec(path.read_text(), path.name))
+    own = {a.name for a in op.spec.args} | {o.name for o in op.spec.outputs}
+    src = glue_source(op.spec, op, f"{op.spec.name}_cpu.h", None, "test")
+    other = _glue_identifiers(src) - own - CPP_RESERVED - GLUE_NAMES - {"s", "d"}
+    assert not other, f"{path.name}: the glue names {sorted(other)}: add them to glue.GLUE_NAMES"

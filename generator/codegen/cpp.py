@@ -22,6 +22,20 @@ from ..symbolic.expr import (
     sigmoid,
 )
 
+# C++20's keywords and alternative tokens, and the fixed-width integer types the generated code names unqualified:
+# no name of the spec's may be one where the generated C++ uses that name as an identifier (codegen/glue.py)
+CPP_RESERVED = frozenset([
+    "alignas", "alignof", "and", "and_eq", "asm", "auto", "bitand", "bitor", "bool", "break", "case", "catch",
+    "char", "char8_t", "char16_t", "char32_t", "class", "compl", "concept", "const", "consteval", "constexpr",
+    "constinit", "const_cast", "continue", "co_await", "co_return", "co_yield", "decltype", "default", "delete",
+    "do", "double", "dynamic_cast", "else", "enum", "explicit", "export", "extern", "false", "float", "for",
+    "friend", "goto", "if", "inline", "int", "long", "mutable", "namespace", "new", "noexcept", "not", "not_eq",
+    "nullptr", "operator", "or", "or_eq", "private", "protected", "public", "register", "reinterpret_cast",
+    "requires", "return", "short", "signed", "sizeof", "static", "static_assert", "static_cast", "struct", "switch",
+    "template", "this", "thread_local", "throw", "true", "try", "typedef", "typeid", "typename", "union",
+    "unsigned", "using", "virtual", "void", "volatile", "wchar_t", "while", "xor", "xor_eq", "int8_t", "int16_t",
+    "int32_t", "int64_t", "uint8_t", "uint16_t", "uint32_t", "uint64_t", "size_t", "uintptr_t", "NULL"
+])
 FLOAT_FUNCS = {sp.exp: "rf::exp", sp.log: "rf::log", sp.sin: "std::sin", sp.cos: "std::cos", sp.tanh: "std::tanh"}
 ROUNDING = {cast_e4m3: "rf::round_e4m3", cast_float16: "rf::round_half", cast_bfloat16: "rf::round_bf16"}
 

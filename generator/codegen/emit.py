@@ -145,6 +145,8 @@ def _stage(what: str, make):
     """Run one emitter; whatever it cannot handle becomes an EmitError naming the emitter, never a traceback."""
     try:
         return make()
+    except SpecError as exc:  # a mistake in the spec that only this emitter can see: reported at its place
+        raise EmitError(str(exc)) from exc
     except Exception as exc:  # an emitter's limitation, whatever its type: report it against the spec
         why = f"no support for {exc.args[0]!r}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
         raise EmitError(f"the {what} generator cannot handle this spec: {why}") from exc

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import sympy as sp
 
+from ..errors import SpecError
 from ..spec import OpSpec, ScalarArg, TensorArg
 from ..symbolic.expr import ExprParser, Scope, idiv
 from ..symbolic.forms import OpAnalysis
-from .cpp import CppPrinter
+from .cpp import CPP_RESERVED, CppPrinter
 from .cpu import float_inputs, native_inputs
 
 SCALAR_TYPES = {
@@ -29,6 +30,31 @@ SCALAR_TYPES = {
     "bool": "ScalarType::Bool",
 }
 SCHEMA_SCALARS = {"int": "int", "float": "float", "bool": "bool", "str": "str", "ScalarType": "ScalarType"}
+
+
+# --------------------------------------------------------------------------------------------- names
+# The identifiers the glue itself declares or calls unqualified in the functions whose parameters are the op's
+# arguments (prepare, impl_cpu, impl_cuda) and in the struct that holds its outputs (Call): an argument or output of
+# one of these names would not compile, or would be hidden where the glue reads it (tests/test_spec_validation.py
+# checks that the CPU glue of every spec names nothing else unqualified)
+GLUE_NAMES = frozenset([
+    "A", "c", "kind", "on_cuda", "keep", "f", "Call", "Args", "Tensor", "ScalarType", "DeviceKind", "kOp",
+    "kSchema", "rf", "std", "torch", "redfuser", "prepare", "impl_cpu", "impl_cuda", "run_cpu", "arg", "check",
+    "failf", "dtype_name", "checked_out_dtype", "check_defined", "check_device_kind", "check_dtype", "check_ndim",
+    "check_same_device", "check_same_dtype", "check_size", "check_value_domains"
+])
+
+
+def check_cpp_names(spec: OpSpec) -> None:
+    """Every argument and output is a C++ identifier of the glue (a parameter, a member of Call): refuse, at its
+    line in the spec, a name that C++ reserves or that the glue uses for something of its own."""
+    for item in (*spec.args, *spec.outputs):
+        if item.name in CPP_RESERVED:
+            raise SpecError(item.loc, f"'{item.name}' is a C++ keyword or type: the generated C++ names each argument "
+                            "and output by its name; rename it")
+        if item.name in GLUE_NAMES:
+            raise SpecError(item.loc, f"'{item.name}' is a name the generated C++ glue uses for its own (prepare, "
+                            "impl_cpu, impl_cuda, Call); rename it")
 
 
 # --------------------------------------------------------------------------------------------- schema
@@ -491,6 +517,7 @@ class _Glue:
 
 def glue_source(spec: OpSpec, an: OpAnalysis, header_name: str, cuda: CudaGlue | None,
                 version: str) -> str:
+    check_cpp_names(spec)
     g = _Glue(spec, an)
     cuda_dtypes = spec.variants.cuda.dtypes if (cuda is not None and spec.variants.cuda) else ()
     names = ", ".join(a.name for a in spec.args)
