@@ -405,6 +405,9 @@ def _outputs(ctx: _Ctx, node: Any, axes: set[str], scalars: set[str], arg_names:
     out = []
     for name, entry in node.items():
         ctx.name(node, name, "outputs")
+        for taken, what in ((arg_names, "an argument"), (axes, "an axis")):
+            if name in taken:  # the fake implementation holds all three as local names
+                raise SpecError(ctx.loc(node, name, "outputs"), f"an output may not share its name with {what}")
         path = f"outputs.{name}"
         ctx.mapping(entry, path, ("shape", "dtype", "index", "value"), ("empty", "doc"))
         shape = _shape(ctx, entry, "shape", path, axes, scalars)

@@ -68,6 +68,8 @@ CASES = [
     (IDS, IDS.replace("index: [t, r]", "index: t"), "outputs.ids.index", "expected a list of names or sizes"),
     (IDS, IDS.replace("dtype: int32", "dtype: int33"), "outputs.ids.dtype", "unknown dtype 'int33'"),
     (IDS, IDS.replace("shape: [T, topk]", "shape: [T, G]"), "outputs.ids.shape", "unknown axis 'G'"),
+    (IDS, IDS.replace("ids:", "logits:"), "outputs.logits", "an output may not share its name with an argument"),
+    (IDS, IDS.replace("ids:", "T:"), "outputs.T", "an output may not share its name with an axis"),
     ("  rows: [t]\n", "  rows: [u]\n", "cascade.rows", "row index 'u' is not declared under indices"),
     ("  over: e\n", "  over: t\n", "cascade.over", "the reduction index cannot also be a row index"),
     ("  passes: 3\n", "  passes: 0\n", "cascade.passes", "passes is a positive integer"),
@@ -140,10 +142,13 @@ def _problems(text: str) -> list[str]:
     (BIAS, BIAS.replace("bias:", "A:"), "args.A", "'A' is a name the generated C++ glue uses"),
     (NGROUP, NGROUP.replace("n_group:", "kind:"), "args.kind", "'kind' is a name the generated C++ glue uses"),
     (IDS, IDS.replace("ids:", "delete:"), "outputs.delete", "'delete' is a C++ keyword or type"),
+    (SCORING, SCORING.replace("scoring:", "op:"), "args.op", "'op' is a name the generated Python module uses"),
+    (IDS, IDS.replace("ids:", "allowed:"), "outputs.allowed", "'allowed' is a name the generated Python module uses"),
 ])
 def test_a_name_the_generated_cpp_cannot_take_is_refused_at_its_line(old, new, key, reason):
     """The glue names every argument and output by its spec name (a parameter of prepare and impl_*, a member of
-    Call): `python -m generator check` refuses the names that would not compile there, at the name's line."""
+    Call), and so does the Python module's fake implementation (a local name): `python -m generator check` refuses
+    the names that would not compile there or that those use for their own, at the name's line."""
     text = BASE.replace(old, new)
     # the name's other uses renamed too, so that only the glue's check can refuse it
     plain = re.search(r"^  (\w+):", old).group(1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sympy as sp
 
+from ..errors import SpecError
 from ..explain import _Printer
 from ..spec import OpSpec, ScalarArg, TensorArg
 from ..symbolic.forms import OpAnalysis
@@ -100,7 +101,20 @@ def _docstring(spec: OpSpec) -> list[str]:
     return lines
 
 
+# the names the generated module and its fake implementation use for their own; axes, arguments and outputs are local
+# names of the fake (an argument `op` was overwritten by the op's name before the checks that read it)
+PY_NAMES = frozenset(["op", "allowed", "torch", "Tensor", "SCHEMA", "annotations"])
+
+
+def check_python_names(spec: OpSpec) -> None:
+    for item in (*spec.axes, *spec.args, *spec.outputs):
+        if item.name in PY_NAMES:
+            raise SpecError(item.loc, f"'{item.name}' is a name the generated Python module uses for its own "
+                            f"({', '.join(sorted(PY_NAMES))}); rename it")
+
+
 def python_module(spec: OpSpec, an: OpAnalysis, version: str) -> str:
+    check_python_names(spec)
     sources = axis_sources(spec)
     names = [a.name for a in spec.args]
     first = spec.tensors[0].name
