@@ -534,6 +534,8 @@ def parse_spec(text: str, file: str = "<spec>") -> OpSpec:
     name = root["op"]
     if not isinstance(name, str) or not _NAME.match(name):
         raise SpecError(ctx.loc(root, "op", ""), "op must be a valid name")
+    if name in RESERVED:
+        raise SpecError(ctx.loc(root, "op", ""), f"'{name}' is a reserved word")
     axes = _axes(ctx, root.get("axes", _Node()))
     axis_names = {a.name for a in axes}
     args = _args(ctx, root["args"], axis_names)
@@ -559,7 +561,7 @@ def parse_spec(text: str, file: str = "<spec>") -> OpSpec:
         outputs=outputs,
         cascade=cascade,
         variants=variants,
-        loc=Loc(file, 1, "op"),
+        loc=ctx.loc(root, "op", ""),
     )
 
 

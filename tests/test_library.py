@@ -59,7 +59,7 @@ for op, d in info["ops"].items():
     kernels[op] = {k: torch._C._dispatch_has_kernel_for_dispatch_key(name, k) for k in ("CPU", "CUDA")}
 json.dump({"package": redfuser_ops.__file__, "version": redfuser_ops.__version__,
            "library": str(_loader.library_path()), "info": info, "kernels": kernels,
-           "torch": torch.__version__}, sys.stdout)
+           "torch": torch.__version__, "all": redfuser_ops.__all__}, sys.stdout)
 """
 
 
@@ -110,6 +110,16 @@ def _tool(name: str, hint: str) -> str:
 def _readelf_dynamic(lib: Path) -> str:
     readelf = _tool("readelf", "Install binutils (apt-get install binutils).")
     return subprocess.run([readelf, "-d", str(lib)], capture_output=True, text=True, check=True).stdout
+
+
+def test_the_package_names_the_generator_keeps_from_ops(installed):
+    """An op is re-exported next to the package's own functions: the generator refuses an op of one of their names
+    (pyapi.PACKAGE_NAMES), so that list must be the package's."""
+    from generator.codegen.pyapi import PACKAGE_NAMES
+
+    names = installed["all"]
+    assert len(names) == len(set(names)), names
+    assert set(names) - set(installed["info"]["ops"]) == PACKAGE_NAMES
 
 
 def test_needed_has_no_cuda_library(library):

@@ -38,6 +38,7 @@ CASES = [
     (BIAS, "  bias: {shape: [E], optional: true,", "args.bias", "missing key 'dtype'"),
     (TOPK, TOPK.replace("topk:", "top-k:"), "args.top-k", "'top-k' is not a valid name"),
     (TOPK, TOPK + "  lambda: {type: int, default: 0}\n", "args.lambda", "'lambda' is a reserved word"),
+    ("op: moe_route\n", "op: class\n", "op", "'class' is a reserved word"),
     (BIAS, BIAS.replace("shape: [E]", "shape: E"), "args.bias.shape", "a shape is a list of axis names"),
     (BIAS, BIAS.replace("shape: [E]", "shape: [1.5]"), "args.bias.shape", "bad dimension 1.5"),
     (BIAS, BIAS.replace("shape: [E]", "shape: [0]"), "args.bias.shape", "a fixed size must be positive, got 0"),
@@ -158,6 +159,19 @@ def test_a_name_the_generated_cpp_cannot_take_is_refused_at_its_line(old, new, k
     assert len(problems) == 1, problems
     line = text.count("\n", 0, re.search(rf"^  {renamed}:", text, re.MULTILINE).start()) + 1
     assert problems[0].startswith(f"broken.yaml:{line}: {key}: "), problems
+    assert reason in problems[0], problems
+
+
+@pytest.mark.parametrize("name, reason", [
+    ("auto", "'auto' is a C++ keyword or type: the generated C++ puts the op in a namespace of its name"),
+    ("info", "an op may not be named 'info': redfuser_ops has a function of that name"),
+    ("_warm_up", "an op may not be named '_warm_up'"),
+])
+def test_an_op_name_the_generated_code_cannot_take_is_refused(name, reason):
+    text = BASE.replace("op: moe_route\n", f"op: {name}\n")
+    problems = _problems(text)
+    line = _first_changed_line(text)
+    assert len(problems) == 1 and problems[0].startswith(f"broken.yaml:{line}: op: "), problems
     assert reason in problems[0], problems
 
 

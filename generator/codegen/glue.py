@@ -47,7 +47,11 @@ GLUE_NAMES = frozenset([
 
 def check_cpp_names(spec: OpSpec) -> None:
     """Every argument and output is a C++ identifier of the glue (a parameter, a member of Call): refuse, at its
-    line in the spec, a name that C++ reserves or that the glue uses for something of its own."""
+    line in the spec, a name that C++ reserves or that the glue uses for something of its own. The op's own name
+    names its C++ namespace."""
+    if spec.name in CPP_RESERVED:
+        raise SpecError(spec.loc, f"'{spec.name}' is a C++ keyword or type: the generated C++ puts the op in a "
+                        "namespace of its name; rename it")
     for item in (*spec.args, *spec.outputs):
         if item.name in CPP_RESERVED:
             raise SpecError(item.loc, f"'{item.name}' is a C++ keyword or type: the generated C++ names each argument "

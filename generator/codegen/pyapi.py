@@ -104,9 +104,15 @@ def _docstring(spec: OpSpec) -> list[str]:
 # the names the generated module and its fake implementation use for their own; axes, arguments and outputs are local
 # names of the fake (an argument `op` was overwritten by the op's name before the checks that read it)
 PY_NAMES = frozenset(["op", "allowed", "torch", "Tensor", "SCHEMA", "annotations"])
+# the package's own functions, next to which redfuser_ops re-exports every op's wrapper (tests/test_library.py
+# checks this list against the installed package)
+PACKAGE_NAMES = frozenset(["check_inputs", "format_info", "info", "library_path", "set_check_inputs", "warm_up"])
 
 
 def check_python_names(spec: OpSpec) -> None:
+    if spec.name in PACKAGE_NAMES or spec.name.startswith("_"):  # `_`: the runtime's own ops (_build_info, ...)
+        raise SpecError(spec.loc, f"an op may not be named '{spec.name}': redfuser_ops has a function of that name, "
+                        "and torch.ops.redfuser ops of its own start with '_'")
     for item in (*spec.axes, *spec.args, *spec.outputs):
         if item.name in PY_NAMES:
             raise SpecError(item.loc, f"'{item.name}' is a name the generated Python module uses for its own "
