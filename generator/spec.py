@@ -7,6 +7,7 @@ The spec format is documented for users in specs/README.md.
 
 from __future__ import annotations
 
+import ast
 import keyword
 import re
 from dataclasses import dataclass
@@ -310,6 +311,25 @@ def _shape(ctx: _Ctx, node: Any, key: str, path: str, axes: set[str], scalars: s
     return tuple(out)
 
 
+def _domain_problem(values: Any, dtypes: tuple[str, ...], names: set[str]) -> str | None:
+    """Why a tensor's `values` is not '[lo, hi)' or '[lo, hi]' over sizes and int arguments of an integer tensor,
+    or None."""
+    if any(d not in ("int32", "int64") for d in dtypes):
+        return "only integer tensors take values (a domain of indices or lengths)"
+    text = values.strip() if isinstance(values, str) else ""
+    if not (text.startswith("[") and text[-1:] in (")", "]") and text.count(",") == 1):
+        return f"values must read '[lo, hi)' or '[lo, hi]', got {values!r}"
+    for part in text[1:-1].split(","):
+        try:
+            tree = ast.parse(part.strip(), mode="eval")
+        except SyntaxError:
+            return f"cannot parse the bound '{part.strip()}' of {text}"
+        unknown = sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} - names)
+        if unknown:
+            return f"the bound '{part.strip()}' of {text} reads {', '.join(unknown)}: only axes and int arguments"
+    return None
+
+
 def _default_ok(type_: str, value: Any, choices: tuple[str, ...]) -> bool:
     if type_ == "int":
         return isinstance(value, int) and not isinstance(value, bool)
@@ -347,6 +367,14 @@ def _args(ctx: _Ctx, node: Any, axes: set[str]) -> tuple[TensorArg | ScalarArg, 
             optional = entry.get("optional", False)
             if not isinstance(optional, bool):
                 raise SpecError(ctx.loc(entry, "optional", path), "expected true or false")
+            if "values" in entry:
+                base, ref = dtypes, same
+                while not base:  # dtype: an earlier tensor's (perhaps its own dtype: another's)
+                    earlier = next(a for a in out if a.name == ref)
+                    base, ref = earlier.dtypes, earlier.same_as
+                why = _domain_problem(entry["values"], base, axes | int_scalars)
+                if why:
+                    raise SpecError(ctx.loc(entry, "values", path), why)
             out.append(
                 TensorArg(name, shape, dtypes, same, optional, entry.get("values"), str(entry.get("doc", "")),
                           ctx.loc(node, name, "args"))

@@ -26,7 +26,9 @@ def check(tmp_path: Path, text: str) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("text, message", [
-    (CE.replace("dtype: [int32], values", "dtype: [bool], values"), "no support for 'bool'"),
+    (CE.replace('dtype: [int32], values: "[0, V)"', "dtype: [bool]"), "no support for 'bool'"),
+    # a value domain is for integer tensors (tests/test_spec_validation.py has the other mistakes in one)
+    (CE.replace("dtype: [int32], values", "dtype: [bool], values"), "only integer tensors take values"),
     (CE + "variants:\n  cuda: {template: stream_attention, families: [sm80], dtype: [float32]}\n",
      "no CUDA kernel template accepts this cascade (stream_attention: "),
     (CE_WEIGHTED + "variants:\n  cuda: {families: [sm80], dtype: [float32]}\n", "resident_row writes (rows, k) outputs"),

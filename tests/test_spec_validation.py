@@ -27,6 +27,7 @@ TOPK_GROUP = "  topk_group: {type: int, default: 1,"
 CHECK = '  - {expr: "topk >= 1", message: "topk must be at least 1"}\n'
 IDS = '  ids: {shape: [T, topk], dtype: int32, index: [t, r], value: "sel.index[r]"}\n'
 INDICES = "  indices: {t: T, e: E, g: n_group, r: topk}\n"
+GIDS = '  gids: {shape: [E], dtype: [int32], values: "[0, E)"}\n'  # an index tensor, added where a case needs one
 
 # (what is replaced, by what, the key the error names, words of the reason[, where the error points when that is not
 # the edited line: the last line of this text])
@@ -49,6 +50,11 @@ CASES = [
     (BIAS, BIAS.replace("dtype: [float32]", "dtype: [float33]"), "args.bias.dtype", "expected a list of dtypes"),
     (BIAS, BIAS.replace("dtype: [float32]", "dtype: []"), "args.bias.dtype", "expected a list of dtypes"),
     (BIAS, BIAS.replace("optional: true", "optional: 1"), "args.bias.optional", "expected true or false"),
+    (BIAS, BIAS.replace("optional: true", 'optional: true, values: "[0, E)"'), "args.bias.values",
+     "only integer tensors take values"),
+    (TOPK, TOPK + GIDS.replace("[0, E)", "0, E"), "args.gids.values", "values must read '[lo, hi)' or '[lo, hi]'"),
+    (TOPK, TOPK + GIDS.replace("[0, E)", "[0, E +)"), "args.gids.values", "cannot parse the bound 'E +'"),
+    (TOPK, TOPK + GIDS.replace("[0, E)", "[0, F)"), "args.gids.values", "the bound 'F' of [0, F) reads F"),
     (TOPK, TOPK.replace("type: int", "type: integer"), "args.topk.type", "unknown type 'integer'"),
     (NGROUP, NGROUP + " choices: [a],", "args.n_group.choices", "only str arguments take choices"),
     (SCORING, "  scoring: {type: str, default: softmax}\n", "args.scoring", "a str argument must list its choices"),

@@ -701,6 +701,11 @@ MUTANTS: list[Mutant] = [
       "a name that is a Python keyword (an argument `lambda`) passes the spec check, and the generated Python API "
       "does not compile: the installed package fails to import",
       ("tests/test_spec_validation.py",), cheap=True),
+    M("spec-values-on-float-tensors", "generator/spec.py",
+      '    if any(d not in ("int32", "int64") for d in dtypes):\n', "    if False:\n",
+      "a value domain on a float tensor is taken and then ignored by the glue: the spec promises a check that no "
+      "call makes",
+      ("tests/test_spec_validation.py",), cheap=True),
     M("order-negative-coefficient", "generator/symbolic/order.py",
       "            return c if (coef.is_positive and coef.is_finite) else None\n",
       "            return c if coef.is_finite else None\n",
