@@ -325,7 +325,7 @@ def _refused(name: str, mutate) -> str:
                                       "  w: {shape: [E], dtype: [float32]}")
      .replace('y: "float32(x[t, e])"', 'y: "float32(x[t, e]) * w[e]"'), "the row tensor's dtype"),
     # a float per-row tensor
-    ("softmax_cross_entropy", lambda t: t.replace("dtype: [int64, int32], values", "dtype: [float32], values"),
+    ("softmax_cross_entropy", lambda t: t.replace('dtype: [int64, int32], values: "[0, V)"', "dtype: [float32]"),
      "integer index tensor"),
     # an output of another dtype
     ("logsumexp", lambda t: t.replace("out: {shape: [T], dtype: float32", "out: {shape: [T], dtype: float16"),
