@@ -311,22 +311,33 @@ def _shape(ctx: _Ctx, node: Any, key: str, path: str, axes: set[str], scalars: s
     return tuple(out)
 
 
+def domain_bounds(values: str) -> tuple[str, str, bool]:
+    """A tensor's `values`, '[lo, hi)' or '[lo, hi]' -> (lo, hi, whether hi is included); ValueError otherwise."""
+    text = values.strip() if isinstance(values, str) else ""
+    if not (text.startswith("[") and text[-1:] in (")", "]") and text.count(",") == 1):
+        raise ValueError(f"values must read '[lo, hi)' or '[lo, hi]', got {values!r}")
+    lo, hi = text[1:-1].split(",")
+    return lo.strip(), hi.strip(), text.endswith("]")
+
+
 def _domain_problem(values: Any, dtypes: tuple[str, ...], names: set[str]) -> str | None:
     """Why a tensor's `values` is not '[lo, hi)' or '[lo, hi]' over sizes and int arguments of an integer tensor,
     or None."""
     if any(d not in ("int32", "int64") for d in dtypes):
         return "only integer tensors take values (a domain of indices or lengths)"
-    text = values.strip() if isinstance(values, str) else ""
-    if not (text.startswith("[") and text[-1:] in (")", "]") and text.count(",") == 1):
-        return f"values must read '[lo, hi)' or '[lo, hi]', got {values!r}"
-    for part in text[1:-1].split(","):
+    try:
+        lo, hi, _ = domain_bounds(values)
+    except ValueError as exc:
+        return str(exc)
+    text = values.strip()
+    for part in (lo, hi):
         try:
-            tree = ast.parse(part.strip(), mode="eval")
+            tree = ast.parse(part, mode="eval")
         except SyntaxError:
-            return f"cannot parse the bound '{part.strip()}' of {text}"
+            return f"cannot parse the bound '{part}' of {text}"
         unknown = sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} - names)
         if unknown:
-            return f"the bound '{part.strip()}' of {text} reads {', '.join(unknown)}: only axes and int arguments"
+            return f"the bound '{part}' of {text} reads {', '.join(unknown)}: only axes and int arguments"
     return None
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import sympy as sp
 
 from ..errors import SpecError
-from ..spec import OpSpec, ScalarArg, TensorArg
+from ..spec import OpSpec, ScalarArg, TensorArg, domain_bounds
 from ..symbolic.expr import ExprParser, Scope, idiv
 from ..symbolic.forms import OpAnalysis
 from .cpp import CPP_RESERVED, CppPrinter
@@ -239,13 +239,10 @@ def value_domains(spec: OpSpec) -> list[ValueDomain]:
     for t in spec.tensors:
         if not t.values:
             continue
-        text = t.values.strip()
-        if not (text.startswith("[") and text[-1] in ")]" and text.count(",") == 1):
-            raise ValueError(f"{spec.file}: {t.name}: values must read '[lo, hi)' or '[lo, hi]', got {text!r}")
-        lo_text, hi_text = text[1:-1].split(",")
-        lo = ExprParser(scope, t.loc).parse(lo_text.strip())
-        hi = ExprParser(scope, t.loc).parse(hi_text.strip())
-        out.append(ValueDomain(t.name, sp.sympify(lo), sp.sympify(hi), text[-1] == "]", text))
+        lo_text, hi_text, closed = domain_bounds(t.values)  # (its form checked where the spec was read)
+        lo = ExprParser(scope, t.loc).parse(lo_text)
+        hi = ExprParser(scope, t.loc).parse(hi_text)
+        out.append(ValueDomain(t.name, sp.sympify(lo), sp.sympify(hi), closed, t.values.strip()))
     return out
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import sympy as sp
 
 from ..errors import Loc
+from ..spec import domain_bounds
 from .algebra import MONOIDS, TIMES
 from .expr import Cast, entrysum, idiv, isin, sigmoid
 from .forms import Analysis, ReductionForm
@@ -110,12 +111,11 @@ def _extent(ir: CascadeIR, name: str, p: Problem) -> int:
 
 def _domain(text: str, env: dict[sp.Symbol, int]) -> tuple[int, int]:
     """'[lo, hi)' or '[lo, hi]' -> inclusive integer bounds."""
-    t = text.strip()
-    lo_s, hi_s = t[1:-1].split(",")
+    lo_s, hi_s, closed = domain_bounds(text)
     names = {s.name: s for s in env}
     lo = int(sp.sympify(lo_s, locals=names).xreplace(env))
     hi = int(sp.sympify(hi_s, locals=names).xreplace(env))
-    return lo, (hi - 1 if t.endswith(")") else hi)
+    return lo, (hi if closed else hi - 1)
 
 
 def random_problem(
