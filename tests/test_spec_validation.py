@@ -94,6 +94,11 @@ CASES = [
 ]
 
 
+def _line_at(text: str, pos: int) -> int:
+    """The 1-based line of `text` that holds character `pos`."""
+    return text.count("\n", 0, pos) + 1
+
+
 def _first_changed_line(text: str) -> int:
     """The 1-based line of the first line of `text` that differs from the base spec's."""
     for n, (a, b) in enumerate(zip(text.splitlines(), BASE.splitlines()), start=1):
@@ -116,7 +121,7 @@ def test_a_malformed_spec_is_refused_where_the_mistake_is(old, new, key, reason,
     assert m.group(2) == key, msg
     line, edit = int(m.group(1)), _first_changed_line(text)
     if at is not None:
-        edit = text.count("\n", 0, text.index(at)) + 1 + at.count("\n")
+        edit = _line_at(text, text.index(at)) + at.count("\n")
     if key.split(".")[0] in ("cascade", "variants") and key.count(".") < 2:  # the block's own line, above the edit
         assert 0 < line <= edit, msg
     else:  # one-line entries: the line of the edit itself
@@ -163,7 +168,7 @@ def test_a_name_the_generated_cpp_cannot_take_is_refused_at_its_line(old, new, k
     text = re.sub(rf"\b{plain}\b", renamed, text)
     problems = _problems(text)
     assert len(problems) == 1, problems
-    line = text.count("\n", 0, re.search(rf"^  {renamed}:", text, re.MULTILINE).start()) + 1
+    line = _line_at(text, re.search(rf"^  {renamed}:", text, re.MULTILINE).start())
     assert problems[0].startswith(f"broken.yaml:{line}: {key}: "), problems
     assert reason in problems[0], problems
 
